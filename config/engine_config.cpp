@@ -1,0 +1,41 @@
+#include "config/engine_config.hpp"
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
+
+namespace troupe::config {
+
+std::string validate(const engine_config& c) {
+  if (c.n_threads < 0 || c.n_threads > 1024) return "--threads must be in [0, 1024] (0: automatic), got " + std::to_string(c.n_threads);
+  if (c.n_ctx < 0 || c.n_ctx > (1 << 20)) return "--ctx-size must be in [0, 1048576] (0: the model's), got " + std::to_string(c.n_ctx);
+  if (c.kv_block_size < 1 || c.kv_block_size > 1024 || (c.kv_block_size & (c.kv_block_size - 1)))
+    return "--kv-block-size must be a power of two in [1, 1024], got " + std::to_string(c.kv_block_size);
+  if (c.n_batch < 1 || c.n_batch > 65536) return "--batch-size must be in [1, 65536], got " + std::to_string(c.n_batch);
+  if (c.max_kv_bytes < (1 << 20)) return "--max-kv-bytes must be at least 1 MiB";
+  return {};
+}
+
+int default_threads() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  const unsigned n = std::thread::hardware_concurrency();
+  return n ? (int)n : 1;
+}
+
+std::string default_model_path() {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (const char* env = std::getenv("TROUPE_MODEL"); env && *env) return env;
+  const fs::path candidate = fs::path(TROUPE_SOURCE_DIR) / "models" / "default.gguf";
+  if (fs::exists(candidate, ec)) return candidate.string();
+  return {};
+}
+
+}  // namespace troupe::config

@@ -1,0 +1,30 @@
+// Engine settings shared by every command: which model, how many threads, how the KV cache and
+// the prefill chunks are sized. Every limit is here, with its default.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace troupe::config {
+
+struct engine_config {
+  std::string model_path;   // empty: the default model (see default_model_path)
+  int n_threads = 0;        // 0: one per physical core the process may use
+  int n_ctx = 0;            // max positions per sequence; 0: the model's trained context
+  int kv_block_size = 16;   // positions per KV block
+  int n_batch = 512;        // max tokens per forward step (prefill chunk size)
+  int64_t max_kv_bytes = 1LL << 30;  // cap on the KV cache allocation
+};
+
+/// Empty when valid, else one line naming the option and its allowed range.
+std::string validate(const engine_config& c);
+
+/// The thread count to use for n_threads == 0.
+int default_threads();
+
+/// Where the default model is looked for, in order: $TROUPE_MODEL; models/default.gguf under the
+/// source tree the binary was built from (scripts/setup.sh installs it there). Returns the first
+/// existing path, or an empty string.
+std::string default_model_path();
+
+}  // namespace troupe::config

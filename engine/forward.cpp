@@ -1,0 +1,166 @@
+#include "engine/forward.hpp"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/dequant.hpp"
+#include "kernels/thread_pool.hpp"
+
+namespace troupe::engine {
+
+using kernels::thread_pool;
+
+cpu_forward::cpu_forward(const model& m, kv_storage& kv, thread_pool& pool) : m_(m), kv_(kv), pool_(pool) {
+  const auto& hp = m.hparams();
+  const auto& s = kv.shape();
+  if (s.n_layers != hp.n_layers || s.n_kv_heads != hp.n_kv_heads || s.head_dim != hp.head_dim)
+    throw std::invalid_argument("cpu_forward: KV storage shape does not match the model");
+}
+
+void cpu_forward::validate(std::span<const seq_chunk> batch) const {
+  const int n_vocab = m_.hparams().n_vocab;
+  const int bs = kv_.shape().block_size;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const seq_chunk& c = batch[i];
+    if (c.tokens.empty()) throw std::invalid_argument("forward: chunk " + std::to_string(i) + " has no tokens");
+    for (token_id t : c.tokens)
+      if (t < 0 || t >= n_vocab)
+        throw std::invalid_argument("forward: token id " + std::to_string(t) + " outside the vocabulary [0, " +
+                                    std::to_string(n_vocab) + ")");
+    const int64_t end = c.pos0 + (int64_t)c.tokens.size();
+    if (c.pos0 < 0 || (int64_t)c.block_table.size() < kv_blocks_for(end, bs))
+      throw std::invalid_argument("forward: block table of chunk " + std::to_string(i) + " does not cover position " +
+                                  std::to_string(end - 1));
+    for (int32_t b : c.block_table)
+      if (b < 0 || b >= kv_.n_blocks()) throw std::invalid_argument("forward: block id " + std::to_string(b) + " out of range");
+  }
+}
+
+void cpu_forward::resize(int64_t n, int64_t max_pos) {
+  const auto& hp = m_.hparams();
+  const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim, kvd = (int64_t)hp.n_kv_heads * hp.head_dim;
+  auto grow = [](std::vector<float>& v, int64_t size) {
+    if ((int64_t)v.size() < size) v.resize((size_t)size);
+  };
+  grow(x_, n * d);
+  grow(h_, n * d);
+  grow(q_, n * qd);
+  grow(k_, n * kvd);
+  grow(v_, n * kvd);
+  grow(o_, n * qd);
+  grow(gate_, n * hp.d_ff);
+  grow(up_, n * hp.d_ff);
+  grow(cos_sin_, n * hp.n_rot);
+  grow(attn_scratch_, (int64_t)pool_.size() * (max_pos + 16));
+}
+
+const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch) {
+  validate(batch);
+  const auto& hp = m_.hparams();
+  const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim, kvd = (int64_t)hp.n_kv_heads * hp.head_dim;
+  const int bs = kv_.shape().block_size;
+
+  // Lay the batch out as token rows.
+  int64_t n = 0, max_pos = 0;
+  for (const auto& c : batch) {
+    n += (int64_t)c.tokens.size();
+    max_pos = std::max<int64_t>(max_pos, c.pos0 + (int64_t)c.tokens.size());
+  }
+  resize(n, max_pos);
+  pos_.resize((size_t)n);
+  row_seq_.resize((size_t)n);
+  for (int64_t r = 0, ci = 0; ci < (int64_t)batch.size(); ++ci)
+    for (int64_t j = 0; j < (int64_t)batch[ci].tokens.size(); ++j, ++r) {
+      pos_[(size_t)r] = batch[ci].pos0 + j;
+      row_seq_[(size_t)r] = {(int32_t)ci, (int32_t)j};
+    }
+
+  // Embeddings and RoPE angles.
+  const auto& emb = m_.token_embd();
+  const float* freq = m_.rope_freq_factors().empty() ? nullptr : m_.rope_freq_factors().data();
+  pool_.parallel_for(n, 4, [&](int64_t r0, int64_t r1, int) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const auto [ci, j] = row_seq_[(size_t)r];
+      const token_id t = batch[(size_t)ci].tokens[(size_t)j];
+      kernels::dequantize_row(emb.type, (const uint8_t*)emb.data + (size_t)t * emb.row_stride, &x_[(size_t)(r * d)], d);
+      kernels::rope_cos_sin(pos_[(size_t)r], hp.n_rot, hp.rope_base, freq, &cos_sin_[(size_t)(r * hp.n_rot)]);
+    }
+  });
+
+  const float attn_scale = 1.0f / std::sqrt((float)hp.head_dim);
+  for (int il = 0; il < hp.n_layers; ++il) {
+    const layer_weights& L = m_.layer(il);
+    const kernels::kv_layer_view kv = kv_.layer(il);
+
+    // Attention block: norm, Q/K/V projections, RoPE, KV write.
+    pool_.parallel_for(n, 8, [&](int64_t r0, int64_t r1, int) {
+      for (int64_t r = r0; r < r1; ++r) kernels::rmsnorm_row(&x_[(size_t)(r * d)], L.attn_norm.data(), &h_[(size_t)(r * d)], d, hp.norm_eps);
+    });
+    kernels::matmul(L.wq, h_.data(), d, n, q_.data(), qd, pool_);
+    kernels::matmul(L.wk, h_.data(), d, n, k_.data(), kvd, pool_);
+    kernels::matmul(L.wv, h_.data(), d, n, v_.data(), kvd, pool_);
+    pool_.parallel_for(n, 4, [&](int64_t r0, int64_t r1, int) {
+      for (int64_t r = r0; r < r1; ++r) {
+        float* q = &q_[(size_t)(r * qd)];
+        float* k = &k_[(size_t)(r * kvd)];
+        float* v = &v_[(size_t)(r * kvd)];
+        if (!L.bq.empty()) {
+          for (int64_t i = 0; i < qd; ++i) q[i] += L.bq[(size_t)i];
+          for (int64_t i = 0; i < kvd; ++i) k[i] += L.bk[(size_t)i];
+          for (int64_t i = 0; i < kvd; ++i) v[i] += L.bv[(size_t)i];
+        }
+        const float* cs = &cos_sin_[(size_t)(r * hp.n_rot)];
+        kernels::rope_row(q, hp.n_heads, hp.head_dim, hp.n_rot, cs, hp.rope);
+        kernels::rope_row(k, hp.n_kv_heads, hp.head_dim, hp.n_rot, cs, hp.rope);
+        const auto [ci, j] = row_seq_[(size_t)r];
+        const int64_t p = pos_[(size_t)r];
+        kernels::kv_store_row(kv, batch[(size_t)ci].block_table[(size_t)(p / bs)], (int)(p % bs), k, v);
+      }
+    });
+
+    // Attention over the paged cache, one (row, head) item at a time.
+    const int64_t n_items = n * hp.n_heads;
+    pool_.parallel_for(n_items, 1, [&](int64_t i0, int64_t i1, int ith) {
+      float* scratch = &attn_scratch_[(size_t)ith * (size_t)(max_pos + 16)];
+      for (int64_t it = i0; it < i1; ++it) {
+        const int64_t r = it / hp.n_heads;
+        const int h = (int)(it % hp.n_heads);
+        const auto [ci, j] = row_seq_[(size_t)r];
+        kernels::attention_row(&q_[(size_t)(r * qd)], hp.n_heads, pos_[(size_t)r], kv, batch[(size_t)ci].block_table.data(),
+                               attn_scale, &o_[(size_t)(r * qd)], h, h + 1, scratch);
+      }
+    });
+    kernels::matmul(L.wo, o_.data(), qd, n, h_.data(), d, pool_);
+    for (int64_t i = 0; i < n * d; ++i) x_[(size_t)i] += h_[(size_t)i];
+
+    // Feed-forward block: norm, SwiGLU, down projection, residual.
+    pool_.parallel_for(n, 8, [&](int64_t r0, int64_t r1, int) {
+      for (int64_t r = r0; r < r1; ++r) kernels::rmsnorm_row(&x_[(size_t)(r * d)], L.ffn_norm.data(), &h_[(size_t)(r * d)], d, hp.norm_eps);
+    });
+    kernels::matmul(L.w_gate, h_.data(), d, n, gate_.data(), hp.d_ff, pool_);
+    kernels::matmul(L.w_up, h_.data(), d, n, up_.data(), hp.d_ff, pool_);
+    pool_.parallel_for(n, 4, [&](int64_t r0, int64_t r1, int) {
+      kernels::swiglu(&gate_[(size_t)(r0 * hp.d_ff)], &up_[(size_t)(r0 * hp.d_ff)], (r1 - r0) * hp.d_ff);
+    });
+    kernels::matmul(L.w_down, gate_.data(), hp.d_ff, n, h_.data(), d, pool_);
+    for (int64_t i = 0; i < n * d; ++i) x_[(size_t)i] += h_[(size_t)i];
+  }
+
+  // Output rows: every row of all_logits chunks, else each chunk's last row.
+  int64_t n_out = 0;
+  for (const auto& c : batch) n_out += c.all_logits ? (int64_t)c.tokens.size() : 1;
+  if ((int64_t)out_rows_.size() < n_out * d) out_rows_.resize((size_t)(n_out * d));
+  for (int64_t r = 0, o = 0, ci = 0; ci < (int64_t)batch.size(); ++ci) {
+    const int64_t len = (int64_t)batch[ci].tokens.size();
+    const int64_t first = batch[ci].all_logits ? 0 : len - 1;
+    for (int64_t j = first; j < len; ++j, ++o)
+      kernels::rmsnorm_row(&x_[(size_t)((r + j) * d)], m_.output_norm().data(), &out_rows_[(size_t)(o * d)], d, hp.norm_eps);
+    r += len;
+  }
+  logits_.resize((size_t)(n_out * hp.n_vocab));
+  kernels::matmul(m_.output(), out_rows_.data(), d, n_out, logits_.data(), hp.n_vocab, pool_);
+  return logits_;
+}
+
+}  // namespace troupe::engine

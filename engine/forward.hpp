@@ -1,0 +1,51 @@
+// The batched transformer forward on the CPU. One call runs one step for many sequences at once:
+// prefill chunks and single-token decodes mixed, each sequence reading and writing its own paged
+// KV cache through its block table. Rows are computed independently, so a sequence's result
+// does not depend on what else is in the batch.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "engine/kv_cache.hpp"
+#include "engine/model.hpp"
+
+namespace troupe::kernels {
+class thread_pool;
+}
+
+namespace troupe::engine {
+
+/// One sequence's part of a step: tokens at positions [pos0, pos0 + tokens.size()).
+struct seq_chunk {
+  std::span<const token_id> tokens;
+  int64_t pos0 = 0;
+  std::span<const int32_t> block_table;  // must cover positions [0, pos0 + tokens.size())
+  bool all_logits = false;                // logits for every token, else for the last one only
+};
+
+class cpu_forward {
+ public:
+  cpu_forward(const model& m, kv_storage& kv, kernels::thread_pool& pool);
+
+  /// Runs one step. Returns the logits rows, n_vocab floats each, in batch order: every token of
+  /// a chunk with all_logits, else its last token. The KV of every token is written to the cache.
+  /// Throws std::invalid_argument (nothing written) when a token id is out of range or a block
+  /// table does not cover its positions.
+  const std::vector<float>& forward(std::span<const seq_chunk> batch);
+
+ private:
+  void validate(std::span<const seq_chunk> batch) const;
+  void resize(int64_t n_tokens, int64_t max_pos);
+
+  const model& m_;
+  kv_storage& kv_;
+  kernels::thread_pool& pool_;
+  // Scratch, grown on demand and reused across steps.
+  std::vector<float> x_, h_, q_, k_, v_, o_, gate_, up_, cos_sin_, attn_scratch_, out_rows_, logits_;
+  std::vector<int64_t> pos_;
+  std::vector<std::pair<int32_t, int32_t>> row_seq_;  // token row -> (chunk index, index in chunk)
+};
+
+}  // namespace troupe::engine

@@ -1,0 +1,172 @@
+#include "engine/generator.hpp"
+
+#include <chrono>
+#include <stdexcept>
+
+#include "kernels/thread_pool.hpp"
+
+namespace troupe::engine {
+
+namespace {
+using clock_t_ = std::chrono::steady_clock;
+double since(clock_t_::time_point t0) { return std::chrono::duration<double>(clock_t_::now() - t0).count(); }
+
+struct seq_state {
+  const generation_request* req;
+  std::vector<token_id> tokens;  // prompt then generated
+  std::vector<int32_t> blocks;
+  int64_t n_done = 0;            // positions already in the KV cache
+  sampler samp;
+  stop_matcher stops;
+  stream_decoder dec;
+  generation_result res;
+  bool finished = false;
+  seq_state(const generation_request& r, const tokenizer& tok)
+      : req(&r), tokens(r.prompt), samp(r.sampling), stops(r.sampling.stop), dec(tok, false) {}
+};
+}  // namespace
+
+const char* to_string(finish_reason r) {
+  switch (r) {
+    case finish_reason::stop: return "stop";
+    case finish_reason::length: return "length";
+  }
+  return "?";
+}
+
+generator::generator(const model& m, const generator_options& opt)
+    : m_(m), opt_(opt), n_ctx_(opt.n_ctx > 0 ? opt.n_ctx : m.hparams().n_ctx_train),
+      pool_(std::make_unique<kernels::thread_pool>(opt.n_threads < 1 ? 1 : opt.n_threads)) {}
+
+generator::~generator() = default;
+
+void generator::ensure_kv(int64_t n_blocks) {
+  if (kv_ && kv_->n_blocks() >= n_blocks) return;
+  fwd_.reset();
+  kv_.reset();
+  const auto& hp = m_.hparams();
+  kv_shape shape{hp.n_layers, hp.n_kv_heads, hp.head_dim, opt_.block_size};
+  kv_ = std::make_unique<kv_storage>(shape, (int32_t)n_blocks);
+  fwd_ = std::make_unique<cpu_forward>(m_, *kv_, *pool_);
+}
+
+std::vector<float> generator::logits_all(std::span<const token_id> tokens) {
+  if (tokens.empty()) throw std::invalid_argument("no tokens");
+  if ((int64_t)tokens.size() > n_ctx_)
+    throw std::invalid_argument(std::to_string(tokens.size()) + " tokens exceed the context of " + std::to_string(n_ctx_));
+  const int32_t nb = kv_blocks_for((int64_t)tokens.size(), opt_.block_size);
+  ensure_kv(nb);
+  std::vector<int32_t> blocks(nb);
+  for (int32_t i = 0; i < nb; ++i) blocks[i] = i;
+  const int n_vocab = m_.hparams().n_vocab;
+  std::vector<float> out;
+  out.reserve(tokens.size() * (size_t)n_vocab);
+  for (size_t p = 0; p < tokens.size(); p += (size_t)opt_.n_batch) {
+    const size_t len = std::min(tokens.size() - p, (size_t)opt_.n_batch);
+    seq_chunk c{tokens.subspan(p, len), (int64_t)p, blocks, true};
+    const auto& l = fwd_->forward(std::span(&c, 1));
+    out.insert(out.end(), l.begin(), l.begin() + (ptrdiff_t)(len * (size_t)n_vocab));
+  }
+  return out;
+}
+
+std::vector<generation_result> generator::run(std::span<const generation_request> reqs, const on_token_fn& on_token) {
+  const tokenizer& tok = m_.vocab();
+  const int n_vocab = m_.hparams().n_vocab;
+  int64_t total_blocks = 0;
+  for (const auto& r : reqs) {
+    if (r.prompt.empty()) throw std::invalid_argument("the prompt is empty");
+    if (r.max_tokens < 1) throw std::invalid_argument("max_tokens must be at least 1, got " + std::to_string(r.max_tokens));
+    if ((int64_t)r.prompt.size() + r.max_tokens > n_ctx_)
+      throw std::invalid_argument("prompt of " + std::to_string(r.prompt.size()) + " tokens + max_tokens " +
+                                  std::to_string(r.max_tokens) + " exceed the context of " + std::to_string(n_ctx_) + " tokens");
+    for (token_id t : r.prompt)
+      if (t < 0 || t >= n_vocab) throw std::invalid_argument("prompt token " + std::to_string(t) + " outside the vocabulary");
+    if (auto err = r.sampling.validate(); !err.empty()) throw std::invalid_argument(err);
+    total_blocks += kv_blocks_for((int64_t)r.prompt.size() + r.max_tokens, opt_.block_size);
+  }
+  ensure_kv(total_blocks);
+
+  std::vector<seq_state> seqs;
+  seqs.reserve(reqs.size());
+  int32_t next_block = 0;
+  for (const auto& r : reqs) {
+    seqs.emplace_back(r, tok);
+    const int32_t nb = kv_blocks_for((int64_t)r.prompt.size() + r.max_tokens, opt_.block_size);
+    for (int32_t i = 0; i < nb; ++i) seqs.back().blocks.push_back(next_block++);
+  }
+
+  const auto t0 = clock_t_::now();
+  std::vector<seq_chunk> batch;
+  std::vector<size_t> owner;  // batch entry -> sequence index
+  for (;;) {
+    // Plan the step: decodes first, then prefill chunks under the token budget.
+    batch.clear();
+    owner.clear();
+    int64_t budget = opt_.n_batch;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      seq_state& s = seqs[i];
+      if (s.finished || s.n_done < (int64_t)s.req->prompt.size()) continue;
+      batch.push_back({std::span(s.tokens).subspan((size_t)s.n_done, 1), s.n_done, s.blocks, false});
+      owner.push_back(i);
+      --budget;
+    }
+    for (size_t i = 0; i < seqs.size() && budget > 0; ++i) {
+      seq_state& s = seqs[i];
+      const int64_t left = (int64_t)s.req->prompt.size() - s.n_done;
+      if (s.finished || left <= 0) continue;
+      const int64_t len = std::min(left, budget);
+      batch.push_back({std::span(s.tokens).subspan((size_t)s.n_done, (size_t)len), s.n_done, s.blocks, false});
+      owner.push_back(i);
+      budget -= len;
+    }
+    if (batch.empty()) break;
+
+    const std::vector<float>& logits = fwd_->forward(batch);
+    for (size_t b = 0; b < batch.size(); ++b) {
+      seq_state& s = seqs[owner[b]];
+      s.n_done += (int64_t)batch[b].tokens.size();
+      if (s.n_done < (int64_t)s.req->prompt.size()) continue;  // mid-prompt chunk: no token yet
+      std::vector<float> row(logits.begin() + (ptrdiff_t)(b * (size_t)n_vocab), logits.begin() + (ptrdiff_t)((b + 1) * (size_t)n_vocab));
+      sample_result sr = s.samp.sample(row, s.tokens);
+      if (s.res.tokens.empty()) s.res.prefill_s = since(t0);
+      const sampling_params& sp = s.req->sampling;
+      bool by_string = false;
+      bool stop_token = !sp.ignore_eos && tok.is_eog(sr.token);
+      for (int32_t st : sp.stop_tokens) stop_token |= sr.token == st;
+      if (stop_token) {
+        s.finished = true;
+        s.res.finish = finish_reason::stop;
+      } else {
+        s.tokens.push_back(sr.token);
+        s.res.tokens.push_back(sr.token);
+        if (sp.logprobs) s.res.samples.push_back(sr);
+        const auto piece = s.stops.push(s.dec.push(sr.token));
+        s.res.text += piece.text;
+        const bool keep = on_token ? on_token(owner[b], sr.token, piece.text) : true;
+        if (piece.stopped || !keep) {
+          by_string = piece.stopped;
+          s.finished = true;
+          s.res.finish = finish_reason::stop;
+        } else if ((int32_t)s.res.tokens.size() >= s.req->max_tokens) {
+          s.finished = true;
+          s.res.finish = finish_reason::length;
+        }
+      }
+      if (s.finished) {
+        if (!by_string) {  // text held back for an incomplete character or a possible stop string
+          std::string rest = s.stops.push(s.dec.flush()).text + s.stops.flush();
+          s.res.text += rest;
+          if (on_token && !rest.empty()) on_token(owner[b], -1, rest);
+        }
+        s.res.total_s = since(t0);
+      }
+    }
+  }
+  std::vector<generation_result> out;
+  out.reserve(seqs.size());
+  for (auto& s : seqs) out.push_back(std::move(s.res));
+  return out;
+}
+
+}  // namespace troupe::engine

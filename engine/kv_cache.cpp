@@ -1,0 +1,47 @@
+#include "engine/kv_cache.hpp"
+
+#include <stdexcept>
+
+namespace troupe::engine {
+
+kv_storage::kv_storage(const kv_shape& shape, int32_t n_blocks)
+    : shape_(shape), n_blocks_(n_blocks), data_((size_t)(shape.block_elems() * n_blocks)) {
+  if (n_blocks <= 0 || shape.block_size <= 0) throw std::invalid_argument("kv_storage: empty cache");
+}
+
+kernels::kv_layer_view kv_storage::layer(int il) {
+  kernels::kv_layer_view v;
+  const int64_t layer_elems = 2LL * shape_.block_size * shape_.row_elems();
+  v.k_base = data_.data() + il * layer_elems;
+  v.v_base = v.k_base + layer_elems / 2;
+  v.block_stride = shape_.block_elems();
+  v.block_size = shape_.block_size;
+  v.n_kv_heads = shape_.n_kv_heads;
+  v.head_dim = shape_.head_dim;
+  return v;
+}
+
+block_allocator::block_allocator(int32_t n_blocks) : refs_((size_t)n_blocks, 0) {
+  free_.reserve((size_t)n_blocks);
+  for (int32_t b = n_blocks - 1; b >= 0; --b) free_.push_back(b);
+}
+
+int32_t block_allocator::allocate() {
+  if (free_.empty()) return -1;
+  const int32_t b = free_.back();
+  free_.pop_back();
+  refs_[(size_t)b] = 1;
+  return b;
+}
+
+void block_allocator::retain(int32_t b) {
+  if (refs_.at((size_t)b) <= 0) throw std::logic_error("block_allocator::retain of a free block");
+  ++refs_[(size_t)b];
+}
+
+void block_allocator::release(int32_t b) {
+  if (refs_.at((size_t)b) <= 0) throw std::logic_error("block_allocator::release of a free block");
+  if (--refs_[(size_t)b] == 0) free_.push_back(b);
+}
+
+}  // namespace troupe::engine

@@ -1,0 +1,72 @@
+// Paged KV cache storage and block bookkeeping (plain code; the KV-cache manager actor owns one).
+//
+// Storage: n_blocks blocks; block b holds, for every layer, K then V of block_size positions,
+// each position n_kv_heads * head_dim fp16 values. A block is contiguous across layers, so
+// swapping one to host memory is a single copy. A sequence addresses its KV through a block
+// table: position p lives in block table[p / block_size], slot p % block_size.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/ggml_types.hpp"
+#include "kernels/ops.hpp"
+
+namespace troupe::engine {
+
+struct kv_shape {
+  int n_layers = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  int block_size = 16;  // positions per block
+
+  int64_t row_elems() const { return (int64_t)n_kv_heads * head_dim; }
+  /// fp16 elements in one block (all layers, K and V).
+  int64_t block_elems() const { return (int64_t)n_layers * 2 * block_size * row_elems(); }
+  int64_t block_bytes() const { return block_elems() * (int64_t)sizeof(kernels::fp16_t); }
+};
+
+/// The memory of a paged KV cache. Owns n_blocks blocks; says nothing about who uses them.
+class kv_storage {
+ public:
+  kv_storage(const kv_shape& shape, int32_t n_blocks);
+  const kv_shape& shape() const { return shape_; }
+  int32_t n_blocks() const { return n_blocks_; }
+  /// View of layer `il` over all blocks, as the attention kernel reads it.
+  kernels::kv_layer_view layer(int il);
+  /// Start of block b (block_elems() fp16 values), for copies (swap, copy-on-write).
+  kernels::fp16_t* block_data(int32_t b) { return data_.data() + (int64_t)b * shape_.block_elems(); }
+
+ private:
+  kv_shape shape_;
+  int32_t n_blocks_;
+  std::vector<kernels::fp16_t> data_;
+};
+
+/// Reference-counted block ids over [0, n_blocks): allocate, share (fork), release.
+/// A block returns to the free list when its count reaches zero. Freed blocks are reused LIFO.
+class block_allocator {
+ public:
+  explicit block_allocator(int32_t n_blocks);
+  /// A free block with count 1, or -1 when none is free.
+  int32_t allocate();
+  /// Adds a reference (copy-on-write sharing). Precondition: b is allocated.
+  void retain(int32_t b);
+  /// Drops a reference. Precondition: b is allocated.
+  void release(int32_t b);
+  int32_t ref_count(int32_t b) const { return refs_.at(b); }
+  int32_t n_free() const { return (int32_t)free_.size(); }
+  int32_t n_blocks() const { return (int32_t)refs_.size(); }
+
+ private:
+  std::vector<int32_t> refs_;
+  std::vector<int32_t> free_;
+};
+
+/// Blocks needed to hold n_positions positions.
+inline int32_t kv_blocks_for(int64_t n_positions, int block_size) {
+  return (int32_t)((n_positions + block_size - 1) / block_size);
+}
+
+}  // namespace troupe::engine

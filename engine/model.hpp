@@ -1,0 +1,68 @@
+// A Llama-family model loaded from GGUF: hyper-parameters from the metadata, weights viewed in
+// place in the memory-mapped file (quantized blocks are never expanded), and the tokenizer.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/gguf.hpp"
+#include "engine/tokenizer.hpp"
+#include "kernels/matmul.hpp"
+#include "kernels/ops.hpp"
+
+namespace troupe::engine {
+
+struct model_hparams {
+  std::string arch;  // "llama", "qwen2", ...
+  std::string name;
+  int n_layers = 0;
+  int d_model = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  int d_ff = 0;
+  int n_vocab = 0;
+  int n_ctx_train = 0;
+  int n_rot = 0;  // rotated dims per head (<= head_dim)
+  float rope_base = 10000.0f;
+  float norm_eps = 1e-5f;
+  kernels::rope_style rope = kernels::rope_style::normal;
+  bool tied_output = false;
+};
+
+struct layer_weights {
+  std::vector<float> attn_norm, ffn_norm;
+  std::vector<float> bq, bk, bv;  // empty when the model has no attention biases
+  kernels::weight_view wq, wk, wv, wo;
+  kernels::weight_view w_gate, w_up, w_down;
+};
+
+class model {
+ public:
+  /// Maps `path` and validates every tensor's type and shape against the metadata. Throws
+  /// gguf_error naming the file and, where one is at fault, the key or tensor.
+  static std::unique_ptr<model> load(const std::string& path);
+
+  const model_hparams& hparams() const { return hp_; }
+  const gguf_file& file() const { return *file_; }
+  const tokenizer& vocab() const { return *tok_; }
+  const layer_weights& layer(int il) const { return layers_[(size_t)il]; }
+  const kernels::weight_view& token_embd() const { return token_embd_; }
+  const kernels::weight_view& output() const { return output_; }
+  const std::vector<float>& output_norm() const { return output_norm_; }
+  const std::vector<float>& rope_freq_factors() const { return rope_freqs_; }
+  /// Bytes of weights read per decoded token (all matrices plus the output head).
+  size_t weight_bytes_per_token() const;
+
+ private:
+  model() = default;
+  std::unique_ptr<gguf_file> file_;
+  std::unique_ptr<tokenizer> tok_;
+  model_hparams hp_;
+  std::vector<layer_weights> layers_;
+  kernels::weight_view token_embd_, output_;
+  std::vector<float> output_norm_, rope_freqs_;
+};
+
+}  // namespace troupe::engine

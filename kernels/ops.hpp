@@ -1,0 +1,53 @@
+// Element-wise and per-row CPU kernels of the transformer forward: RMSNorm, RoPE, SwiGLU, and
+// attention of query rows over a paged fp16 KV cache.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/ggml_types.hpp"
+
+namespace troupe::kernels {
+
+class thread_pool;
+
+/// y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], for one row of n. y may alias x.
+void rmsnorm_row(const float* x, const float* w, float* y, int64_t n, float eps);
+
+/// RoPE pair conventions: `normal` rotates (2i, 2i+1) (GGUF / llama.cpp "norm"), `neox` rotates
+/// (i, i + n_rot/2) (GPT-NeoX, Qwen2).
+enum class rope_style { normal, neox };
+
+/// Rotates the first n_rot dims of each of n_heads heads (head_dim apart) of one row in place,
+/// with cos_sin holding n_rot/2 (cos, sin) pairs for this row's position.
+void rope_row(float* x, int n_heads, int head_dim, int n_rot, const float* cos_sin, rope_style style);
+
+/// Fills cos_sin[n_rot/2 pairs] for position pos: theta_i = pos * base^(-2i/n_rot) / freq_factor_i.
+/// freq_factors may be null (all 1).
+void rope_cos_sin(int64_t pos, int n_rot, float base, const float* freq_factors, float* cos_sin);
+
+/// gate[i] = silu(gate[i]) * up[i], n elements.
+void swiglu(float* gate, const float* up, int64_t n);
+
+/// A paged KV cache view for one layer: block b holds K and V for block_size positions, each
+/// position n_kv_heads * head_dim fp16 values; k_of(b) / v_of(b) = base + b * block_stride.
+struct kv_layer_view {
+  fp16_t* k_base = nullptr;
+  fp16_t* v_base = nullptr;
+  int64_t block_stride = 0;  // in fp16 elements between consecutive blocks
+  int block_size = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  fp16_t* k_at(int32_t block, int slot) const { return k_base + block * block_stride + (int64_t)slot * n_kv_heads * head_dim; }
+  fp16_t* v_at(int32_t block, int slot) const { return v_base + block * block_stride + (int64_t)slot * n_kv_heads * head_dim; }
+};
+
+/// Causal attention for one query row at position `pos` over positions [0, pos] of a sequence
+/// whose KV lives in the blocks of `block_table`. q: n_heads * head_dim floats; out likewise.
+/// Heads [h0, h1) only (callers split heads across threads). scratch: >= pos + 1 floats.
+void attention_row(const float* q, int n_heads, int64_t pos, const kv_layer_view& kv,
+                   const int32_t* block_table, float scale, float* out, int h0, int h1, float* scratch);
+
+/// Writes one position's K and V rows (floats, n_kv_heads * head_dim each) into the cache.
+void kv_store_row(const kv_layer_view& kv, int32_t block, int slot, const float* k, const float* v);
+
+}  // namespace troupe::kernels

