@@ -127,16 +127,37 @@ void replace_all(std::string& s, std::string_view from, std::string_view to) {
     s.replace(p, from.size(), to);
 }
 
+/// x.name -> x['name'] in code (no literals in it).
+std::string attribute_to_item(std::string_view code, std::string_view name) {
+  std::string out;
+  for (size_t i = 0; i < code.size();) {
+    const size_t end = i + 1 + name.size();
+    if (code[i] == '.' && code.substr(i + 1, name.size()) == name &&
+        (end >= code.size() || !ident_char(code[end]))) {
+      out += "['";
+      out.append(name);
+      out += "']";
+      i = end;
+    } else {
+      out += code[i++];
+    }
+  }
+  return out;
+}
+
 /// Appends the canonical form of one tag body (between the delimiters, markers removed).
 bool compact_tag(std::string_view body, std::string& out) {
-  std::string code;  // the current run outside literals
+  std::string code;  // the current run outside literals; \x01 marks a space that stays
   size_t last_literal_end = std::string::npos;  // in out, just after the last literal's quote
   auto flush_code = [&] {
-    replace_all(code, ".role", "['role']");
-    replace_all(code, ".content", "['content']");
+    code = attribute_to_item(code, "role");
+    code = attribute_to_item(code, "content");
     for (char c : code) {
-      if (space_char(c)) continue;
-      out += c;
+      if (c == '\x01') {
+        out += ' ';
+      } else if (!space_char(c)) {
+        out += c;
+      }
     }
     code.clear();
   };
@@ -200,7 +221,8 @@ std::string rename_identifier(std::string_view s, std::string_view from, std::st
 
 struct jinja_tag {
   char kind;  // '{' expression, '%' statement, '#' comment
-  bool strip_before, strip_after, keep_lstrip;
+  bool strip_before, strip_after;  // `-` markers
+  bool keep_lstrip, keep_trim;     // `+` markers
   std::string_view body;
 };
 
@@ -208,7 +230,7 @@ struct jinja_tag {
 /// cannot be read.
 std::optional<std::string> normalize(std::string_view src) {
   if (!src.empty() && src.back() == '\n') src.remove_suffix(1);  // keep_trailing_newline=False
-  std::vector<std::string> data;
+  std::vector<std::string_view> data;
   std::vector<jinja_tag> tags;
   size_t pos = 0;
   while (true) {
@@ -221,7 +243,7 @@ std::optional<std::string> normalize(std::string_view src) {
       break;
     }
     data.emplace_back(src.substr(pos, open - pos));
-    jinja_tag t{src[open + 1], false, false, false, {}};
+    jinja_tag t{src[open + 1], false, false, false, false, {}};
     size_t i = open + 2;
     if (i < src.size() && (src[i] == '-' || src[i] == '+')) {
       t.strip_before = src[i] == '-';
@@ -242,6 +264,7 @@ std::optional<std::string> normalize(std::string_view src) {
     size_t body_end = j;
     if (body_end > i && (src[body_end - 1] == '-' || src[body_end - 1] == '+')) {
       t.strip_after = src[body_end - 1] == '-';
+      t.keep_trim = src[body_end - 1] == '+';
       --body_end;
     }
     t.body = src.substr(i, body_end - i);
@@ -249,32 +272,29 @@ std::optional<std::string> normalize(std::string_view src) {
     pos = j + 2;
   }
   // Whitespace handling of the text around each tag, as Jinja does with Hugging Face's
-  // trim_blocks=True, lstrip_blocks=True.
+  // trim_blocks=True, lstrip_blocks=True; both ends are judged on the original text.
   for (size_t k = 0; k < data.size(); ++k) {
-    std::string& d = data[k];
+    const std::string_view d = data[k];
+    size_t lo = 0, hi = d.size();
     if (k > 0) {
       const auto& prev = tags[k - 1];
       if (prev.strip_after) {
-        size_t b = 0;
-        while (b < d.size() && space_char(d[b])) ++b;
-        d.erase(0, b);
-      } else if (prev.kind != '{' && !d.empty() && d[0] == '\n') {
-        d.erase(0, 1);
-      } else if (prev.kind != '{' && d.size() >= 2 && d[0] == '\r' && d[1] == '\n') {
-        d.erase(0, 2);
+        while (lo < d.size() && space_char(d[lo])) ++lo;
+      } else if (prev.kind != '{' && !prev.keep_trim) {
+        lo = d.compare(0, 1, "\n") == 0 ? 1 : d.compare(0, 2, "\r\n") == 0 ? 2 : 0;
       }
     }
     if (k < tags.size()) {
       const auto& next = tags[k];
       if (next.strip_before) {
-        while (!d.empty() && space_char(d.back())) d.pop_back();
+        while (hi > 0 && space_char(d[hi - 1])) --hi;
       } else if (next.kind != '{' && !next.keep_lstrip) {
-        size_t b = d.size();
+        size_t b = hi;
         while (b > 0 && (d[b - 1] == ' ' || d[b - 1] == '\t')) --b;
-        if (b == 0 ? k == 0 : d[b - 1] == '\n') d.erase(b);
+        if (b == 0 ? k == 0 : d[b - 1] == '\n') hi = b;
       }
     }
-    if (!d.empty()) return std::nullopt;  // literal text: not a template we model
+    if (lo < hi) return std::nullopt;  // literal text: not a template we model
   }
   std::string out;
   for (const auto& t : tags) {
@@ -283,14 +303,13 @@ std::optional<std::string> normalize(std::string_view src) {
     if (!compact_tag(t.body, out)) return std::nullopt;
     out += t.kind == '{' ? "}}" : "%}";
   }
-  replace_all(out, "\x01", " ");
   // raise_exception('...') -> raise_exception(*)
   for (size_t p = out.find("raise_exception('"); p != std::string::npos;
        p = out.find("raise_exception('", p + 1)) {
     size_t j = p + 17;
     while (j < out.size() && out[j] != '\'') j += out[j] == '\\' ? 2 : 1;
     if (j >= out.size()) return std::nullopt;
-    out.replace(p + 16, j + 1 - (p + 16), "*");
+    out = out.substr(0, p + 16) + '*' + out.substr(j + 1);
   }
   replace_all(out, "{%if not add_generation_prompt is defined%}{%set add_generation_prompt=false%}{%endif%}", "");
   // The loop variable is called `message`.
@@ -452,8 +471,8 @@ std::optional<chat_template> chat_template::from_name(std::string_view name, std
   if (name == "mistral") {
     chat_template t(chat_family::mistral, std::move(bos_text), std::move(eos_text));
     t.leading_bos_ = true;
-    t.inst_open_ = " [INST] ";
-    t.assistant_prefix_ = " ";
+    t.inst_open_ = std::string(" [INST] ");
+    t.assistant_prefix_ = std::string(" ");
     return t;
   }
   return std::nullopt;

@@ -21,7 +21,7 @@ kernels::kv_layer_view kv_storage::layer(int il) {
   return v;
 }
 
-block_allocator::block_allocator(int32_t n_blocks) : refs_((size_t)n_blocks, 0) {
+block_allocator::block_allocator(int32_t n_blocks) : refs_((size_t)n_blocks, 0), parked_((size_t)n_blocks, 0) {
   free_.reserve((size_t)n_blocks);
   for (int32_t b = n_blocks - 1; b >= 0; --b) free_.push_back(b);
 }
@@ -35,13 +35,36 @@ int32_t block_allocator::allocate() {
 }
 
 void block_allocator::retain(int32_t b) {
-  if (refs_.at((size_t)b) <= 0) throw std::logic_error("block_allocator::retain of a free block");
+  if (refs_.at((size_t)b) <= 0) throw std::logic_error("block_allocator::retain of an unreferenced block");
   ++refs_[(size_t)b];
 }
 
-void block_allocator::release(int32_t b) {
-  if (refs_.at((size_t)b) <= 0) throw std::logic_error("block_allocator::release of a free block");
-  if (--refs_[(size_t)b] == 0) free_.push_back(b);
+int32_t block_allocator::release(int32_t b, bool park) {
+  if (refs_.at((size_t)b) <= 0) throw std::logic_error("block_allocator::release of an unreferenced block");
+  const int32_t left = --refs_[(size_t)b];
+  if (left == 0) {
+    if (park) {
+      parked_[(size_t)b] = 1;
+      ++n_parked_;
+    } else {
+      free_.push_back(b);
+    }
+  }
+  return left;
+}
+
+void block_allocator::unpark(int32_t b) {
+  if (parked_.at((size_t)b) == 0) throw std::logic_error("block_allocator::unpark of a block that is not parked");
+  parked_[(size_t)b] = 0;
+  --n_parked_;
+  refs_[(size_t)b] = 1;
+}
+
+void block_allocator::free_parked(int32_t b) {
+  if (parked_.at((size_t)b) == 0) throw std::logic_error("block_allocator::free_parked of a block that is not parked");
+  parked_[(size_t)b] = 0;
+  --n_parked_;
+  free_.push_back(b);
 }
 
 }  // namespace troupe::engine

@@ -46,22 +46,35 @@ class kv_storage {
 
 /// Reference-counted block ids over [0, n_blocks): allocate, share (fork), release.
 /// A block returns to the free list when its count reaches zero. Freed blocks are reused LIFO.
+/// A block whose count reaches zero may instead be *parked*: held at count 0 by the caller (a
+/// prefix cache keeps computed blocks this way) until it is unparked (a cache hit) or freed
+/// (an eviction). Each block is in exactly one state: free, referenced (count > 0) or parked.
 class block_allocator {
  public:
   explicit block_allocator(int32_t n_blocks);
   /// A free block with count 1, or -1 when none is free.
   int32_t allocate();
-  /// Adds a reference (copy-on-write sharing). Precondition: b is allocated.
+  /// Adds a reference (copy-on-write sharing). Precondition: b is referenced.
   void retain(int32_t b);
-  /// Drops a reference. Precondition: b is allocated.
-  void release(int32_t b);
+  /// Drops a reference and returns the count left. At zero the block goes to the free list, or
+  /// is parked when `park` is true. Precondition: b is referenced.
+  int32_t release(int32_t b, bool park = false);
+  /// Takes a parked block back with count 1. Precondition: b is parked.
+  void unpark(int32_t b);
+  /// Returns a parked block to the free list. Precondition: b is parked.
+  void free_parked(int32_t b);
   int32_t ref_count(int32_t b) const { return refs_.at(b); }
+  bool is_parked(int32_t b) const { return parked_.at(b) != 0; }
+  bool is_free(int32_t b) const { return refs_.at(b) == 0 && parked_.at(b) == 0; }
   int32_t n_free() const { return (int32_t)free_.size(); }
+  int32_t n_parked() const { return n_parked_; }
   int32_t n_blocks() const { return (int32_t)refs_.size(); }
 
  private:
   std::vector<int32_t> refs_;
+  std::vector<uint8_t> parked_;
   std::vector<int32_t> free_;
+  int32_t n_parked_ = 0;
 };
 
 /// Blocks needed to hold n_positions positions.

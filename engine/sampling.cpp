@@ -6,6 +6,7 @@
 #include <cstring>
 #include <type_traits>
 #include <limits>
+#include <sstream>
 #include <stdexcept>
 
 namespace troupe::engine {
@@ -33,10 +34,9 @@ bool better(const std::pair<float, int32_t>& a, const std::pair<float, int32_t>&
 /// exp(x) for x <= 0: Cephes' expf polynomial (relative error ~1e-7), exactly 0 below -87 (and
 /// for -inf); NaN propagates. Our own function rather than libm's so that seeded draws do not
 /// depend on the C library. Written once for scalars and for 8-float vectors (GCC/Clang vector
-/// extensions, so it vectorises without -ffast-math); both perform the same IEEE operations, so
-/// they agree bit for bit.
+/// extensions, so it vectorises without -ffast-math).
 template <typename F, typename I>
-inline F exp_nonpositive_impl(F x, F zero) {
+inline void exp_nonpositive_impl(const F& x, const F& zero, F& out) {
   constexpr float log2e = 1.44269504088896341f;
   constexpr float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
   constexpr float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
@@ -58,20 +58,23 @@ inline F exp_nonpositive_impl(F x, F zero) {
   } else {
     scale = (F)((__builtin_convertvector(n, I) + 127) << 23);
   }
-  return x < lo ? zero : y * scale;
+  out = x < lo ? zero : y * scale;
 }
 
 using v8f = float __attribute__((vector_size(32)));
 using v8i = int32_t __attribute__((vector_size(32)));
+using v4d = double __attribute__((vector_size(32)));
+using v4u64 = uint64_t __attribute__((vector_size(32)));
 
-inline float exp_nonpositive(float x) { return exp_nonpositive_impl<float, int32_t>(x, 0.0f); }
-inline v8f exp_nonpositive(v8f x) { return exp_nonpositive_impl<v8f, v8i>(x, v8f{}); }
-
-inline v8f load8(const float* p) {
-  v8f v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
+// Vectors travel by reference: passing them by value has a different ABI with and without AVX,
+// which GCC reports.
+inline float exp_nonpositive(float x) {
+  float out;
+  exp_nonpositive_impl<float, int32_t>(x, 0.0f, out);
+  return out;
 }
+inline void exp_nonpositive(const v8f& x, v8f& out) { exp_nonpositive_impl<v8f, v8i>(x, v8f{}, out); }
+inline void load8(const float* p, v8f& v) { std::memcpy(&v, p, sizeof v); }
 
 /// Largest non-NaN value (-inf when there is none).
 float max_value(std::span<const float> x) {
@@ -79,7 +82,8 @@ float max_value(std::span<const float> x) {
   v8f m8 = v8f{} + neg_inf;
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const v8f v = load8(&x[i]);
+    v8f v;
+    load8(&x[i], v);
     m8 = v > m8 ? v : m8;
   }
   float m = neg_inf;
@@ -102,17 +106,19 @@ double weigh(std::span<const float> x, float shift, float scale, float min_x, st
   double total = 0.0;
   for (size_t b = 0; b < block_sums.size(); ++b) {
     const size_t i0 = b * weight_block, i1 = std::min(n, i0 + weight_block);
-    v8f acc{};
+    v4d acc_lo{}, acc_hi{};  // double accumulation, in 8 lanes
     size_t i = i0;
     for (; i + 8 <= i1; i += 8) {
-      const v8f v = load8(&x[i]);
-      const v8f e = exp_nonpositive((v - shift) * scale);
+      v8f v, e;
+      load8(&x[i], v);
+      exp_nonpositive((v - shift) * scale, e);
       const v8f we = v >= min_x ? e : v8f{};
       std::memcpy(&w[i], &we, sizeof we);
-      acc += we;
+      acc_lo += __builtin_convertvector(__builtin_shufflevector(we, we, 0, 1, 2, 3), v4d);
+      acc_hi += __builtin_convertvector(__builtin_shufflevector(we, we, 4, 5, 6, 7), v4d);
     }
-    double sum = 0.0;
-    for (int j = 0; j < 8; ++j) sum += acc[j];
+    const v4d acc = acc_lo + acc_hi;
+    double sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
     for (; i < i1; ++i) {
       w[i] = x[i] >= min_x ? exp_nonpositive((x[i] - shift) * scale) : 0.0f;
       sum += w[i];
@@ -145,7 +151,9 @@ size_t pick(std::span<const float> w, std::span<const double> block_sums, double
 }
 
 std::string range_error(const char* field, const char* range, double got) {
-  return std::string(field) + " must be in " + range + " (got " + std::to_string(got) + ")";
+  std::ostringstream os;
+  os << field << " must be in " << range << " (got " << got << ")";
+  return os.str();
 }
 
 bool in_closed(float x, float lo, float hi) { return std::isfinite(x) && x >= lo && x <= hi; }
@@ -228,13 +236,22 @@ void sampler::select_top_k(std::span<const float> logits, size_t k) {
     for (size_t i = 0; i < k; ++i) cand_.emplace_back(rank_key(logits[i]), int32_t(i));
     std::make_heap(cand_.begin(), cand_.end(), worse_on_top);
     float threshold = cand_.front().first;
-    for (size_t i = k; i < n; ++i) {
-      if (!(logits[i] > threshold)) continue;  // NaN ranks as -inf: never enters
+    const auto offer = [&](size_t i) {
+      if (!(logits[i] > threshold)) return;  // NaN ranks as -inf: never enters
       std::pop_heap(cand_.begin(), cand_.end(), worse_on_top);
       cand_.back() = {logits[i], int32_t(i)};
       std::push_heap(cand_.begin(), cand_.end(), worse_on_top);
       threshold = cand_.front().first;
+    };
+    size_t i = k;
+    for (; i + 8 <= n; i += 8) {  // skip groups of 8 that hold no candidate
+      v8f v;
+      load8(&logits[i], v);
+      const v4u64 beats = (v4u64)(v > threshold);
+      if ((beats[0] | beats[1] | beats[2] | beats[3]) == 0) continue;
+      for (size_t j = i; j < i + 8; ++j) offer(j);
     }
+    for (; i < n; ++i) offer(i);
   } else {
     cand_.resize(n);
     for (size_t i = 0; i < n; ++i) cand_[i] = {rank_key(logits[i]), int32_t(i)};

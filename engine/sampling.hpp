@@ -72,7 +72,8 @@ class sampler {
  public:
   /// `p` should have passed validate(); the constructor does not re-check it.
   explicit sampler(const sampling_params& p);
-  /// Picks the next token. `logits` (n_vocab floats, non-empty, no NaN) is scratch and may be
+  /// Picks the next token. `logits` (n_vocab floats, non-empty; a NaN is never chosen while
+  /// some logit is finite) is scratch and may be
   /// modified (penalties are applied in place); `history` is the sequence so far (prompt and
   /// generated) for the penalties; ids outside [0, n_vocab) in it are ignored.
   /// `logprob` and `top` are filled only when `params().logprobs` or `top_logprobs > 0`.

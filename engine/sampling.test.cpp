@@ -330,6 +330,57 @@ TEST_CASE("empirical frequencies match the softmax (chi-square)", "[sampling]") 
   CHECK(chi_square(counts, probs, n_draws) < 24.322);  // 7 degrees of freedom, p = 0.001
 }
 
+TEST_CASE("truncation happens at temperature 1, the draw at the requested temperature", "[sampling]") {
+  const std::vector<float> logits = {1.0f, 0.2f, -0.5f, 2.0f, 0.0f, -1.0f, 1.5f, 0.7f, -2.0f, 0.3f};
+  // Chi-square critical values at p = 0.001 by degrees of freedom.
+  const double crit[] = {0, 10.828, 13.816, 16.266, 18.467, 20.515, 22.458, 24.322, 26.124, 27.877};
+  struct trunc_case {
+    int top_k;
+    float top_p, min_p, temperature;
+  };
+  const trunc_case cases[] = {
+      {0, 0.8f, 0.0f, 0.5f},  {0, 0.8f, 0.0f, 2.0f},  {0, 1.0f, 0.2f, 1.5f},
+      {0, 0.9f, 0.3f, 0.7f},  {6, 0.85f, 0.0f, 1.3f}, {5, 1.0f, 0.25f, 0.8f},
+  };
+  const auto p1 = softmax(logits);
+  std::vector<size_t> order(logits.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return logits[a] > logits[b]; });
+  for (const auto& c : cases) {
+    // Reference: keep by rank (top-k), by cumulative mass renormalised over the top-k survivors
+    // (top-p), by ratio to the best (min-p), all at temperature 1; then softmax at T.
+    const size_t k = c.top_k > 0 ? size_t(c.top_k) : logits.size();
+    double mass_k = 0;
+    for (size_t r = 0; r < k; ++r) mass_k += p1[order[r]];
+    std::vector<bool> keep(logits.size(), false);
+    double cum = 0;
+    for (size_t r = 0; r < k; ++r) {
+      const size_t id = order[r];
+      if (p1[id] >= c.min_p * p1[order[0]]) keep[id] = true;
+      cum += p1[id] / mass_k;
+      if (cum >= c.top_p) break;
+    }
+    std::vector<double> expect(logits.size(), 0.0);
+    double z = 0;
+    size_t n_kept = 0;
+    for (size_t i = 0; i < logits.size(); ++i) {
+      if (!keep[i]) continue;
+      ++n_kept;
+      z += expect[i] = std::exp(double(logits[i]) / c.temperature);
+    }
+    for (auto& e : expect) e /= z;
+    REQUIRE(n_kept >= 2);
+    auto p = seeded(c.temperature, 31);
+    p.top_k = c.top_k;
+    p.top_p = c.top_p;
+    p.min_p = c.min_p;
+    const int n_draws = 20000;
+    const auto counts = histogram(draw(p, logits, n_draws), logits.size());
+    INFO("top_k " << c.top_k << " top_p " << c.top_p << " min_p " << c.min_p << " T " << c.temperature);
+    CHECK(chi_square(counts, expect, n_draws) < crit[n_kept - 1]);
+  }
+}
+
 TEST_CASE("logprobs are the log-softmax of the raw logits", "[sampling]") {
   auto logits = random_logits(32000, 8, 3.0f);
   // Reference log-softmax in double.
@@ -496,12 +547,12 @@ TEST_CASE("stop_matcher holds back only a possible stop prefix", "[sampling][sto
 }
 
 TEST_CASE("sampler throughput on a 262k vocabulary", "[sampling][!benchmark]") {
-  // A flat worst case (top-p 0.95 keeps ~23k tokens) with a peaked head like a language model's
-  // (a few tokens 10-15 above the rest) as a second case.
+  // A flat worst case (top-p 0.95 keeps ~23k tokens) and a peaked head like a language model's
+  // (a few tokens far above the rest).
   const bool peaked = GENERATE(false, true);
-  auto logits = random_logits(262144, 3, 3.0f);
+  auto logits = random_logits(262144, 3, peaked ? 1.5f : 3.0f);
   if (peaked)
-    for (int i = 0; i < 8; ++i) logits[size_t(i) * 9973] += 15.0f - float(i);
+    for (int i = 0; i < 8; ++i) logits[size_t(i) * 9973] += 20.0f - float(i);
   std::vector<float> work(logits.size());
   const std::vector<int32_t> history(64, 17);
   auto bench = [&](const char* name, sampling_params p) {

@@ -41,18 +41,6 @@ constexpr std::string_view eog_texts[] = {
     "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>",
     "<eos>", "<turn|>", "<|tool_response>", "<\xef\xbd\x9c" "end\xe2\x96\x81of\xe2\x96\x81sentence\xef\xbd\x9c>", "[e~["};
 
-uint16_t attr_of_type(int32_t type) {
-  switch (type) {
-    case (int32_t)token_type::normal: return 4;
-    case (int32_t)token_type::unknown: return 1;
-    case (int32_t)token_type::control: return 8;
-    case (int32_t)token_type::user_defined: return 16;
-    case (int32_t)token_type::unused: return 2;
-    case (int32_t)token_type::byte: return 32;
-    default: return 0;  // undefined: never rendered, never matched as special
-  }
-}
-
 }  // namespace
 
 tokenizer::tokenizer(const vocab_spec& v, token_id default_bos, token_id default_eos, token_id default_unk,
@@ -65,6 +53,17 @@ tokenizer::tokenizer(const vocab_spec& v, token_id default_bos, token_id default
   if (!v.types.empty() && v.types.size() < n)
     throw std::invalid_argument("tokenizer.ggml.token_type has " + std::to_string(v.types.size()) + " entries for " + std::to_string(n) + " tokens");
 
+  auto attr_of_type = [](int32_t type) -> uint16_t {
+    switch (type) {
+      case (int32_t)token_type::normal: return attr_normal;
+      case (int32_t)token_type::unknown: return attr_unknown;
+      case (int32_t)token_type::control: return attr_control;
+      case (int32_t)token_type::user_defined: return attr_user_defined;
+      case (int32_t)token_type::unused: return attr_unused;
+      case (int32_t)token_type::byte: return attr_byte;
+      default: return 0;  // undefined: never rendered, never matched as special
+    }
+  };
   texts_.resize(n);
   types_.resize(n);
   attrs_.resize(n);
@@ -302,6 +301,7 @@ void tokenizer::partition_special(std::string_view text, bool parse_special, std
 }
 
 std::vector<token_id> tokenizer::encode(std::string_view text, bool add_special, bool parse_special) const {
+  if (text.size() > (size_t)INT32_MAX) throw std::length_error("the text to tokenize is 2 GiB or more");
   std::vector<token_id> out;
   std::vector<fragment> frags;
   partition_special(text, parse_special, frags);

@@ -56,6 +56,7 @@ class tokenizer {
   /// User-defined tokens (type 4) are always split out; control tokens only with parse_special.
   /// Special tokens are matched longest first, each over the whole text, as llama.cpp does.
   /// Invalid UTF-8 in `text` never throws: it is encoded as llama.cpp does (byte fallback or U+FFFD).
+  /// Throws std::length_error for a text of 2 GiB or more. Thread-safe (const, no shared state).
   std::vector<token_id> encode(std::string_view text, bool add_special, bool parse_special) const;
 
   /// The bytes of one token (not necessarily valid UTF-8 on its own). Control and unknown tokens

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <stdexcept>
@@ -23,9 +24,9 @@ isa detect() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
 #if defined(__AVX2__)
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi"))
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni") &&
+      __builtin_cpu_supports("avx512vbmi"))
     return isa::avx512;
   // The whole library is compiled for AVX2 + FMA + F16C (see kernels/CMakeLists.txt), so a CPU
   // without them could not run it at all: there is no scalar-only fallback at run time.
@@ -69,19 +70,25 @@ uint8_t* scratch(size_t bytes) {
 
 [[noreturn]] void fail(const std::string& what) { throw std::invalid_argument("matmul: " + what); }
 
+/// Throws std::invalid_argument unless `out` is a valid product of n_in-wide rows (strings are
+/// built only on failure: this runs on every call).
 void check(const matmul_out& out, int64_t n_in, int64_t ldx, int64_t m) {
   const weight_view& w = out.w;
   const dtype_traits* tr = find_dtype(static_cast<uint32_t>(w.type));
   if (tr == nullptr) fail("unsupported weight type " + std::to_string(static_cast<uint32_t>(w.type)));
-  const std::string name = tr->name;
-  if (w.n_in <= 0 || w.n_out < 0) fail(name + " weight with bad shape " + std::to_string(w.n_out) + " x " + std::to_string(w.n_in));
-  if (w.n_in != n_in) fail("batch products disagree on n_in: " + std::to_string(w.n_in) + " vs " + std::to_string(n_in));
+  auto typed = [&](const std::string& what) { fail(std::string(tr->name) + " weights: " + what); };
+  if (w.n_in <= 0 || w.n_out < 0) typed("bad shape " + std::to_string(w.n_out) + " x " + std::to_string(w.n_in));
+  if (w.n_in != n_in)
+    fail("batch products disagree on n_in: " + std::to_string(w.n_in) + " vs " + std::to_string(n_in));
   if (w.n_in % tr->block_size != 0)
-    fail(name + " needs n_in to be a multiple of " + std::to_string(tr->block_size) + ", got " + std::to_string(w.n_in));
+    typed("n_in must be a multiple of " + std::to_string(tr->block_size) + ", got " + std::to_string(w.n_in));
   if (w.row_stride < static_cast<size_t>(row_bytes(*tr, w.n_in)))
-    fail(name + " row_stride " + std::to_string(w.row_stride) + " is shorter than a row (" +
-         std::to_string(row_bytes(*tr, w.n_in)) + " bytes)");
-  if (w.n_out > 0 && w.data == nullptr) fail("null weight data");
+    typed("row_stride " + std::to_string(w.row_stride) + " is shorter than a row (" +
+          std::to_string(row_bytes(*tr, w.n_in)) + " bytes)");
+  if (w.n_out > 0 && w.data == nullptr) typed("null data");
+  // Every block type holds fp16 fields: rows must be 2-byte aligned (GGUF aligns tensors to 32).
+  if (reinterpret_cast<uintptr_t>(w.data) % 2 != 0 || w.row_stride % 2 != 0)
+    typed("rows must be 2-byte aligned (data and row_stride)");
   if (ldx < n_in) fail("ldx " + std::to_string(ldx) + " < n_in " + std::to_string(n_in));
   if (out.y == nullptr && w.n_out > 0 && m > 0) fail("null output");
   if (m > 1 && out.ldy < w.n_out) fail("ldy " + std::to_string(out.ldy) + " < n_out " + std::to_string(w.n_out));
@@ -91,9 +98,16 @@ void check(const matmul_out& out, int64_t n_in, int64_t ldx, int64_t m) {
 /// costs a few microseconds of wake-up and cache-line traffic.
 constexpr int64_t min_parallel_macs = 1 << 16;
 
+/// Activations below this many values are quantized by the calling thread alone.
+constexpr int64_t min_parallel_quantize = 8192;
+
 /// Output rows per work unit handed to a thread (kernels block rows by 4 and 16).
 constexpr int64_t rows_per_unit_m1 = 8;
 constexpr int64_t rows_per_unit = 16;
+
+/// Chunks of work per thread in a parallel region: more balance the load when a thread runs
+/// late, fewer cost fewer atomic operations on a shared counter.
+constexpr int64_t chunks_per_thread = 4;
 
 /// Products of one matmul_batch call handled together (more are split into several calls).
 constexpr size_t max_batch = 8;
@@ -129,14 +143,12 @@ bool force_isa(isa level) {
 
 const char* matmul_isa() { return detail::isa_name(detail::active_isa()); }
 
-void matmul(const weight_view& w, const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy,
-            thread_pool& pool) {
+void matmul(const weight_view& w, const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, thread_pool& pool) {
   const matmul_out out{w, y, ldy};
   matmul_batch(std::span<const matmul_out>(&out, 1), x, ldx, m, pool);
 }
 
-void matmul_batch(std::span<const matmul_out> outs, const float* x, int64_t ldx, int64_t m,
-                  thread_pool& pool) {
+void matmul_batch(std::span<const matmul_out> outs, const float* x, int64_t ldx, int64_t m, thread_pool& pool) {
   using namespace detail;
   if (outs.empty()) return;
   if (m < 0) fail("negative m " + std::to_string(m));
@@ -163,6 +175,7 @@ void matmul_batch(std::span<const matmul_out> outs, const float* x, int64_t ldx,
     total_rows += outs[j].w.n_out;
   }
   if (total_rows == 0) return;
+  static_assert(static_cast<int>(act_kind::f32) == 0, "kind 0 is the unquantized one");
   size_t scratch_bytes = 0;
   for (int k = 1; k < n_kinds; ++k)
     if (kind_used[k]) scratch_bytes += act_row_bytes(static_cast<act_kind>(k), n_in) * static_cast<size_t>(m);
@@ -193,13 +206,14 @@ void matmul_batch(std::span<const matmul_out> outs, const float* x, int64_t ldx,
       if (kind_used[k])
         quantize_rows(static_cast<act_kind>(k), level, x, ldx, n_in, i0, i1, quantized[k], acts[k].stride);
   };
-  if (parallel && m * n_in >= 8192)
+  if (parallel && m * n_in >= min_parallel_quantize)
     pool.parallel_for(m, 1, [&](int64_t i0, int64_t i1, int) { quantize(i0, i1); });
   else
     quantize(0, m);
 
   // Work units: runs of output rows of each product, or, when there are too few rows to share,
-  // runs of activation rows.
+  // runs of activation rows. Threads take chunks of units from a shared counter, so a thread that
+  // starts late (or is preempted) leaves its chunks to the others.
   const int64_t unit = m == 1 ? rows_per_unit_m1 : rows_per_unit;
   int64_t n_units = 0;
   for (const matmul_out& out : outs) n_units += (out.w.n_out + unit - 1) / unit;
@@ -215,21 +229,33 @@ void matmul_batch(std::span<const matmul_out> outs, const float* x, int64_t ldx,
       base += units;
     }
   };
+  auto run_acts = [&](int64_t i0, int64_t i1) {  // activation rows [i0, i1) of every product
+    for (size_t j = 0; j < outs.size(); ++j) {
+      act_view a = acts[static_cast<int>(kernels[j].act)];
+      a.data += static_cast<size_t>(i0) * a.stride;
+      a.m = i1 - i0;
+      kernels[j].fn(outs[j].w, 0, outs[j].w.n_out, a, outs[j].y + i0 * outs[j].ldy, outs[j].ldy);
+    }
+  };
   if (!parallel) {
     run_rows(0, n_units);
-  } else if (n_units >= pool.size() || m < pool.size()) {
-    pool.run([&](int ith, int nth) { run_rows(n_units * ith / nth, n_units * (ith + 1) / nth); });
-  } else {
-    pool.run([&](int ith, int nth) {
-      const int64_t i0 = m * ith / nth, i1 = m * (ith + 1) / nth;
-      for (size_t j = 0; j < outs.size(); ++j) {
-        act_view a = acts[static_cast<int>(kernels[j].act)];
-        a.data += static_cast<size_t>(i0) * a.stride;
-        a.m = i1 - i0;
-        if (a.m > 0) kernels[j].fn(outs[j].w, 0, outs[j].w.n_out, a, outs[j].y + i0 * outs[j].ldy, outs[j].ldy);
-      }
-    });
+    return;
   }
+  const bool by_rows = n_units >= chunks_per_thread * pool.size() || m < pool.size();
+  const int64_t total = by_rows ? n_units : m;
+  const int64_t chunk = std::max<int64_t>(1, total / (chunks_per_thread * pool.size()));
+  std::atomic<int64_t> next{0};
+  pool.run([&](int, int) {
+    for (;;) {
+      const int64_t b = next.fetch_add(chunk, std::memory_order_relaxed);
+      if (b >= total) return;
+      const int64_t e = std::min(total, b + chunk);
+      if (by_rows)
+        run_rows(b, e);
+      else
+        run_acts(b, e);
+    }
+  });
 }
 
 }  // namespace troupe::kernels

@@ -14,8 +14,9 @@
 //    about one block in five, so d ~ 8 * 3 sigma / 127 while rms(x) ~ 3.7 sigma: ~1.5% (measured:
 //    1.25%); the bound is 3%. Float weights must match ref to float rounding: 1e-6 * (n_in + 16)
 //    of sum_k |W_ok x_k|.
-#include <catch2/catch.hpp>
+#include "kernels/matmul.hpp"
 
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -27,7 +28,6 @@
 
 #include "kernels/dequant.hpp"
 #include "kernels/fp16.hpp"
-#include "kernels/matmul.hpp"
 #include "kernels/matmul_impl.hpp"
 #include "kernels/thread_pool.hpp"
 
@@ -203,7 +203,7 @@ void check_relative_error(dtype t, const error_sums& sums) {
 std::vector<int64_t> n_in_cases(dtype t) {
   const int64_t bs = tk::traits(t).block_size;
   if (bs == 1) return {1, 2, 7, 8, 9, 33, 200};
-  if (bs == 32) return {32, 64, 96, 128, 160, 576};  // 1, 2, 3, 4, 5 and 18 blocks
+  if (bs == 32) return {32, 64, 96, 128, 160, 224, 256, 384, 576};  // 1-5, 7, 8, 12 and 18 blocks
   return {256, 512, 768};
 }
 
@@ -254,6 +254,29 @@ TEST_CASE("matmul handles larger products: row blocks, many groups, rows split o
   }
 }
 
+TEST_CASE("matmul results do not depend on the thread count", "[kernels][matmul]") {
+  std::mt19937 rng(21);
+  std::unique_ptr<tk::thread_pool> pools[3];
+  for (int n = 1; n <= 3; ++n) pools[n - 1] = std::make_unique<tk::thread_pool>(n);
+  for (isa level : available_levels()) {
+    isa_scope scope(level);
+    for (dtype t : all_types) {
+      const weights w = make_weights(t, 150, tk::traits(t).block_size == 1 ? 100 : 512, 0, rng);
+      for (int64_t m : {1, 7, 33}) {
+        const std::vector<float> x = make_acts(m, w.n_in, w.n_in, rng);
+        std::vector<float> y[3];
+        for (int n = 0; n < 3; ++n) {
+          y[n].assign(static_cast<size_t>(m * w.n_out), std::numeric_limits<float>::quiet_NaN());
+          tk::matmul(w.view(), x.data(), w.n_in, m, y[n].data(), w.n_out, *pools[n]);
+        }
+        INFO(tk::detail::isa_name(level) << " " << tk::traits(t).name << " m " << m);
+        REQUIRE(y[1] == y[0]);
+        REQUIRE(y[2] == y[0]);
+      }
+    }
+  }
+}
+
 TEST_CASE("matmul_batch equals separate matmuls", "[kernels][matmul]") {
   std::mt19937 rng(3);
   tk::thread_pool pool(2);
@@ -276,7 +299,7 @@ TEST_CASE("matmul_batch equals separate matmuls", "[kernels][matmul]") {
       outs.push_back({w->view(), batched.back().data(), w->n_out});
     }
     tk::matmul_batch(outs, x.data(), n_in, m, pool);
-    for (size_t j = 0; j < separate.size(); ++j) REQUIRE(batched[j] == separate[j]);  // same kernels, same bits
+    for (size_t j = 0; j < separate.size(); ++j) REQUIRE(batched[j] == separate[j]);  // same sums, same bits
   }
 }
 
@@ -348,6 +371,10 @@ TEST_CASE("matmul rejects bad arguments before writing anything", "[kernels][mat
   SECTION("ldx shorter than n_in") { REQUIRE_THROWS_AS(run(v, 32, 2, 8), std::invalid_argument); }
   SECTION("ldy shorter than n_out") { REQUIRE_THROWS_AS(run(v, 64, 2, 7), std::invalid_argument); }
   SECTION("negative m") { REQUIRE_THROWS_AS(run(v, 64, -1, 8), std::invalid_argument); }
+  SECTION("odd row stride") {
+    v.row_stride = 41;
+    REQUIRE_THROWS_AS(run(v, 64, 2, 8), std::invalid_argument);
+  }
   SECTION("null weights") {
     v.data = nullptr;
     REQUIRE_THROWS_AS(run(v, 64, 2, 8), std::invalid_argument);

@@ -81,8 +81,10 @@ struct q8_pair {
   static __m256i dot(const pair_weights& p, __m256i x1, __m256i x2) {
     // |w| * (x with w's sign); a 16-bit pair can reach 2 * 127 * 127, so widen each separately.
     const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(p.w1, p.w1), _mm256_sign_epi8(x1, p.w1)), ones);
-    const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(p.w2, p.w2), _mm256_sign_epi8(x2, p.w2)), ones);
+    const __m256i a =
+        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(p.w1, p.w1), _mm256_sign_epi8(x1, p.w1)), ones);
+    const __m256i b =
+        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(p.w2, p.w2), _mm256_sign_epi8(x2, p.w2)), ones);
     return _mm256_add_epi32(a, b);
   }
   static constexpr bool has_min = false;
@@ -91,8 +93,8 @@ struct q8_pair {
 template <class B, int R>
 struct q_micro {
   template <int C>
-  static void run(const uint8_t* const* rows, const uint8_t* const* acts, int n_rows, int64_t n_in, float* y,
-                  int64_t ldy) {
+  static void run(const uint8_t* const* rows, const uint8_t* const* next, const uint8_t* const* acts, int n_rows,
+                  int64_t n_in, float* y, int64_t ldy) {
     const int64_t n_blocks = n_in / 32;
     __m256 acc[C][R];
     for (int c = 0; c < C; ++c)
@@ -101,6 +103,7 @@ struct q_micro {
     auto step = [&](int64_t pair, auto two) {
       const int64_t g = pair / 2;
       const int p = static_cast<int>(pair % 2);
+      if (C == 1 && p == 0) prefetch_group<R>(next, g * 4 * B::bytes);
       for (int r = 0; r < R; ++r) {
         const pair_weights pw = B::template load<decltype(two)::value>(rows[r] + 2 * pair * B::bytes);
         for (int c = 0; c < C; ++c) {

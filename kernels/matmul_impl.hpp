@@ -101,12 +101,11 @@ size_t act_row_bytes(act_kind kind, int64_t n_in);
 
 /// Quantizes rows [i0, i1) of x (row i at x + i * ldx) into dst (row i at dst + i * stride) with
 /// the given level's code. Every level produces identical bytes.
-void quantize_rows(act_kind kind, isa level, const float* x, int64_t ldx, int64_t n_in, int64_t i0,
-                   int64_t i1, uint8_t* dst, size_t stride);
+void quantize_rows(act_kind kind, isa level, const float* x, int64_t ldx, int64_t n_in, int64_t i0, int64_t i1,
+                   uint8_t* dst, size_t stride);
 
 /// Computes y[i * ldy + o] for all activation rows i and weight rows o in [o0, o1).
-using gemm_fn = void (*)(const weight_view& w, int64_t o0, int64_t o1, const act_view& a, float* y,
-                         int64_t ldy);
+using gemm_fn = void (*)(const weight_view& w, int64_t o0, int64_t o1, const act_view& a, float* y, int64_t ldy);
 
 /// A kernel for one weight type at one level, and the activation layout it reads.
 struct kernel {

@@ -1,6 +1,7 @@
 // Portable kernels: the fallback where no SIMD level is available and the plainest statement of
 // each integer dot product (the SIMD kernels compute the same sums, only faster).
 #include <algorithm>
+#include <cstring>
 
 #include "kernels/fp16.hpp"
 #include "kernels/matmul_impl.hpp"
@@ -158,22 +159,30 @@ float dot_float(const uint8_t* wr, const float* x, int64_t n_in, Load load) {
   return sum;
 }
 
+/// Element k of a row of 2- or 4-byte values (rows need not be aligned: row_stride is free).
+template <class V>
+inline V element(const uint8_t* row, int64_t k) {
+  V v;
+  std::memcpy(&v, row + static_cast<size_t>(k) * sizeof(V), sizeof(V));
+  return v;
+}
+
 template <>
 float dot_row<dtype::f32>(const uint8_t* wr, const uint8_t* ar, int64_t n_in) {
   return dot_float(wr, reinterpret_cast<const float*>(ar), n_in,
-                   [](const uint8_t* p, int64_t k) { return reinterpret_cast<const float*>(p)[k]; });
+                   [](const uint8_t* p, int64_t k) { return element<float>(p, k); });
 }
 
 template <>
 float dot_row<dtype::f16>(const uint8_t* wr, const uint8_t* ar, int64_t n_in) {
   return dot_float(wr, reinterpret_cast<const float*>(ar), n_in,
-                   [](const uint8_t* p, int64_t k) { return fp16_to_f32(reinterpret_cast<const fp16_t*>(p)[k]); });
+                   [](const uint8_t* p, int64_t k) { return fp16_to_f32(element<fp16_t>(p, k)); });
 }
 
 template <>
 float dot_row<dtype::bf16>(const uint8_t* wr, const uint8_t* ar, int64_t n_in) {
   return dot_float(wr, reinterpret_cast<const float*>(ar), n_in,
-                   [](const uint8_t* p, int64_t k) { return bf16_to_f32(reinterpret_cast<const bf16_t*>(p)[k]); });
+                   [](const uint8_t* p, int64_t k) { return bf16_to_f32(element<bf16_t>(p, k)); });
 }
 
 template <dtype T>

@@ -195,8 +195,8 @@ size_t act_row_bytes(act_kind kind, int64_t n_in) {
   return 0;
 }
 
-void quantize_rows(act_kind kind, isa level, const float* x, int64_t ldx, int64_t n_in, int64_t i0,
-                   int64_t i1, uint8_t* dst, size_t stride) {
+void quantize_rows(act_kind kind, isa level, const float* x, int64_t ldx, int64_t n_in, int64_t i0, int64_t i1,
+                   uint8_t* dst, size_t stride) {
 #if defined(__AVX2__)
   const bool simd = level >= isa::avx2;
 #else

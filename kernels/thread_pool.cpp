@@ -1,11 +1,13 @@
-// Spin-then-sleep worker pool. A region is published by bumping generation_ (release) after fn_ and
-// ctx_ are set; workers acquire it, run their share and count pending_ down. Sleeping workers are
-// woken through cv_ only when sleeping_ says someone sleeps, so back-to-back regions cost a few
+// Share-claiming worker pool. A region is published by storing (generation, 1) into state_ after
+// fn_ and ctx_ are set (share 0 belongs to the caller); every thread then claims shares by
+// incrementing the low half of state_ while it still names that generation. The caller counts the
+// shares it ran itself and waits only for the ones workers claimed, which cannot be reused before
+// they finish, so fn_ and ctx_ stay valid for every claimed share. Sleeping workers are woken
+// through cv_ only when sleeping_ says someone sleeps, so back-to-back regions cost a few
 // cache-line transfers and no system call.
 #include "kernels/thread_pool.hpp"
 
 #include <chrono>
-#include <exception>
 #include <stdexcept>
 #include <string>
 
@@ -25,8 +27,8 @@ constexpr auto spin_time = std::chrono::microseconds(100);
 /// Polls between clock reads (each poll is one pause: ~10-60 ns depending on the CPU).
 constexpr int polls_per_clock_read = 64;
 
-/// Polls of the caller for its workers before it starts yielding its core (a worker may have been
-/// preempted when more threads than cores are runnable).
+/// Polls of the caller for claimed shares before it starts yielding its core (the worker running
+/// one may have been preempted when more threads than cores are runnable).
 constexpr int polls_before_yield = 1 << 14;
 
 inline void cpu_relax() {
@@ -37,6 +39,8 @@ inline void cpu_relax() {
 #endif
 }
 
+inline uint32_t generation_of(uint64_t state) { return static_cast<uint32_t>(state >> 32); }
+
 }  // namespace
 
 thread_pool::thread_pool(int n_threads) : n_threads_(n_threads) {
@@ -44,12 +48,10 @@ thread_pool::thread_pool(int n_threads) : n_threads_(n_threads) {
     throw std::invalid_argument("thread_pool: n_threads must be >= 1, got " + std::to_string(n_threads));
   workers_.reserve(static_cast<size_t>(n_threads - 1));
   try {
-    for (int i = 1; i < n_threads; ++i) workers_.emplace_back([this, i] { worker(i); });
+    for (int i = 1; i < n_threads; ++i) workers_.emplace_back([this] { worker(); });
   } catch (...) {
     stop_.store(true);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-    }
+    { std::lock_guard<std::mutex> lock(mu_); }
     cv_.notify_all();
     for (auto& t : workers_) t.join();
     throw;
@@ -58,12 +60,32 @@ thread_pool::thread_pool(int n_threads) : n_threads_(n_threads) {
 
 thread_pool::~thread_pool() {
   stop_.store(true);
-  generation_.fetch_add(1);  // wakes spinning workers
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-  }
+  // A new generation with no share left wakes spinning workers without giving them work.
+  state_.store((static_cast<uint64_t>(generation_ + 1) << 32) | static_cast<uint32_t>(n_threads_));
+  { std::lock_guard<std::mutex> lock(mu_); }
   cv_.notify_all();
   for (auto& t : workers_) t.join();
+}
+
+int thread_pool::claim(uint32_t generation) {
+  uint64_t s = state_.load(std::memory_order_acquire);
+  for (;;) {
+    const auto next = static_cast<uint32_t>(s);
+    if (generation_of(s) != generation || next >= static_cast<uint32_t>(n_threads_)) return -1;
+    if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire))
+      return static_cast<int>(next);
+  }
+}
+
+void thread_pool::execute(int ith) {
+  if (failed_.load(std::memory_order_relaxed)) return;  // skip the rest of a failed region
+  try {
+    fn_(ctx_, ith, n_threads_);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!error_) error_ = std::current_exception();
+    failed_.store(true, std::memory_order_relaxed);
+  }
 }
 
 void thread_pool::run_impl(task_fn fn, void* ctx) {
@@ -74,44 +96,41 @@ void thread_pool::run_impl(task_fn fn, void* ctx) {
   fn_ = fn;
   ctx_ = ctx;
   error_ = nullptr;
-  pending_.store(n_threads_ - 1, std::memory_order_relaxed);
-  // seq_cst pairs with the worker's seq_cst sleeping_ increment and generation_ re-check: either the
+  failed_.store(false, std::memory_order_relaxed);
+  done_.store(0, std::memory_order_relaxed);
+  ++generation_;
+  // seq_cst pairs with the worker's seq_cst sleeping_ increment and state_ re-check: either the
   // worker sees the new generation, or this thread sees it asleep and wakes it.
-  generation_.fetch_add(1);
+  state_.store((static_cast<uint64_t>(generation_) << 32) | 1u);
   if (sleeping_.load() > 0) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-    }
+    { std::lock_guard<std::mutex> lock(mu_); }
     cv_.notify_all();
   }
 
-  std::exception_ptr own_error;
-  try {
-    fn(ctx, 0, n_threads_);
-  } catch (...) {
-    own_error = std::current_exception();
-  }
-  // The region's closure lives on the caller's stack: never return before every worker is done.
-  for (int polls = 0; pending_.load(std::memory_order_acquire) != 0; ++polls) {
+  int mine = 1;
+  execute(0);
+  for (int ith; (ith = claim(generation_)) >= 0; ++mine) execute(ith);
+  // Every share is claimed now; those claimed by workers must finish before fn's closure, which
+  // lives on the caller's stack, goes away.
+  for (int polls = 0; done_.load(std::memory_order_acquire) != n_threads_ - mine; ++polls) {
     if (polls < polls_before_yield)
       cpu_relax();
     else
       std::this_thread::yield();
   }
-  if (own_error) std::rethrow_exception(own_error);
   if (error_) std::rethrow_exception(error_);
 }
 
-void thread_pool::worker(int ith) {
-  uint64_t seen = 0;  // the generation at construction: a region may be published before we start
+void thread_pool::worker() {
+  uint32_t seen = 0;  // the generation at construction: a region may be published before we start
   for (;;) {
     // Poll for the next region, then sleep.
-    uint64_t gen = generation_.load(std::memory_order_acquire);
+    uint32_t gen = generation_of(state_.load(std::memory_order_acquire));
     if (gen == seen) {
       const auto deadline = std::chrono::steady_clock::now() + spin_time;
       for (int polls = 1;; ++polls) {
         cpu_relax();
-        gen = generation_.load(std::memory_order_acquire);
+        gen = generation_of(state_.load(std::memory_order_acquire));
         if (gen != seen) break;
         if (polls % polls_per_clock_read == 0 && std::chrono::steady_clock::now() >= deadline) break;
       }
@@ -119,19 +138,16 @@ void thread_pool::worker(int ith) {
     if (gen == seen) {
       std::unique_lock<std::mutex> lock(mu_);
       sleeping_.fetch_add(1);
-      cv_.wait(lock, [&] { return generation_.load() != seen || stop_.load(); });
+      cv_.wait(lock, [&] { return generation_of(state_.load()) != seen || stop_.load(); });
       sleeping_.fetch_sub(1);
-      gen = generation_.load(std::memory_order_acquire);
+      gen = generation_of(state_.load(std::memory_order_acquire));
     }
     if (stop_.load(std::memory_order_acquire)) return;
     seen = gen;
-    try {
-      fn_(ctx_, ith, n_threads_);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!error_) error_ = std::current_exception();
+    for (int ith; (ith = claim(gen)) >= 0;) {
+      execute(ith);
+      done_.fetch_add(1, std::memory_order_release);
     }
-    pending_.fetch_sub(1, std::memory_order_release);
   }
 }
 

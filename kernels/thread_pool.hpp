@@ -1,6 +1,9 @@
-// A fixed pool of worker threads for the CPU kernels. One parallel region at a time; the calling
-// thread takes part as thread 0. Workers spin briefly between regions (a decode step opens a few
-// hundred regions, each too short for a futex wake-up) and then sleep, so an idle pool costs no CPU.
+// A fixed pool of worker threads for the CPU kernels. A parallel region is split into size()
+// shares; the calling thread runs share 0 and then every share no worker has claimed yet, so a
+// worker that is slow to start (asleep, or preempted on a busy machine) never holds the region
+// up: the region just runs on fewer threads. Workers spin briefly between regions (a decode step
+// opens a few hundred regions, each too short for a futex wake-up) and then sleep, so an idle
+// pool costs no CPU.
 #pragma once
 
 #include <atomic>
@@ -24,14 +27,17 @@ class thread_pool {
 
   int size() const { return n_threads_; }
 
-  /// Runs fn(ith, nth) once on each of the nth = size() threads and returns when all are done.
-  /// Not reentrant: fn must not call run() on the same pool, and only one thread may call run()
-  /// at a time. An exception thrown by fn on any thread is rethrown here once all threads are done
-  /// (the first one, when several throw).
+  /// Runs fn(ith, nth) exactly once for each share ith in [0, nth), nth = size(), and returns
+  /// when all have finished. Shares run concurrently on different threads, but one thread may run
+  /// several shares one after another, so fn must never wait for another share (no barrier inside
+  /// a region). Not reentrant: fn must not call run() on the same pool, and only one thread may
+  /// call run() at a time. If fn throws, shares not yet started are skipped and the first
+  /// exception is rethrown here once the started ones have finished.
   template <class Fn>
   void run(Fn&& fn) {
-    run_impl(+[](void* ctx, int ith, int nth) { (*static_cast<std::remove_reference_t<Fn>*>(ctx))(ith, nth); },
-             const_cast<void*>(static_cast<const void*>(&fn)));
+    run_impl(
+        +[](void* ctx, int ith, int nth) { (*static_cast<std::remove_reference_t<Fn>*>(ctx))(ith, nth); },
+        const_cast<void*>(static_cast<const void*>(&fn)));
   }
 
   /// Splits [0, n) into contiguous chunks of `grain` (the last may be shorter) handed out
@@ -50,19 +56,23 @@ class thread_pool {
  private:
   using task_fn = void (*)(void*, int, int);
   void run_impl(task_fn fn, void* ctx);
-  void worker(int ith);
+  void worker();
+  int claim(uint32_t generation);  // a share of that region, or -1 when none is left
+  void execute(int ith);
 
   int n_threads_;
   std::vector<std::thread> workers_;
-  task_fn fn_ = nullptr;
+  task_fn fn_ = nullptr;  // the current region, written by the caller before it is published
   void* ctx_ = nullptr;
-  alignas(64) std::atomic<uint64_t> generation_{0};
-  alignas(64) std::atomic<int> pending_{0};
+  uint32_t generation_ = 0;                     // the caller's count of regions
+  alignas(64) std::atomic<uint64_t> state_{0};  // generation << 32 | next unclaimed share
+  alignas(64) std::atomic<int> done_{0};        // shares of the current region finished by workers
+  std::atomic<bool> failed_{false};             // a share of the current region threw
   std::atomic<bool> stop_{false};
+  std::atomic<int> sleeping_{0};
   std::mutex mu_;
   std::condition_variable cv_;
-  std::atomic<int> sleeping_{0};
-  std::exception_ptr error_;  // first exception of a worker in the current region (under mu_)
+  std::exception_ptr error_;  // the first exception of the current region (under mu_)
 };
 
 }  // namespace troupe::kernels

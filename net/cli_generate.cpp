@@ -16,21 +16,23 @@ namespace {
 struct generate_opts {
   config::engine_config engine;
   engine::sampling_params sampling;
-  std::string prompt, prompt_tokens, system;
+  std::string prompt, prompt_tokens, system, chat_template;
   int32_t max_tokens = 256;
   bool chat = false, interactive = false, print_ids = false, quiet = false;
 };
 
-std::vector<engine::token_id> encode_chat(const engine::model& m, const std::vector<engine::chat_message>& msgs) {
+std::vector<engine::token_id> encode_chat(const engine::model& m, const std::vector<engine::chat_message>& msgs,
+                                         const std::string& family) {
   const engine::tokenizer& tok = m.vocab();
   const std::string src = m.file().get_string("tokenizer.chat_template").value_or("");
   const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : "";
   const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : "";
-  auto tmpl = engine::chat_template::detect(src, bos, eos);
-  if (!tmpl) throw std::runtime_error("the model's chat template is not one troupe recognizes (ChatML, Llama-3, Gemma, Mistral)");
+  auto tmpl = family.empty() ? engine::chat_template::detect(src, bos, eos) : engine::chat_template::from_name(family, bos, eos);
+  if (!tmpl)
+    throw std::runtime_error(family.empty() ? "the model's chat template is not one troupe recognizes: pass --chat-template chatml|llama3|gemma|mistral"
+                                            : "unknown --chat-template '" + family + "' (chatml, llama3, gemma, mistral)");
   const std::string text = tmpl->render(msgs, true);
-  const bool has_bos = !bos.empty() && text.rfind(bos, 0) == 0;
-  return tok.encode(text, tok.add_bos() && !has_bos, true);
+  return tok.encode(text, tok.add_bos() && !tmpl->renders_bos(), true);
 }
 
 void print_stats(const engine::generation_result& r, size_t n_prompt) {
@@ -86,7 +88,7 @@ int run_generate(generate_opts& o) {
       std::vector<engine::chat_message> msgs;
       if (!o.system.empty()) msgs.push_back({"system", o.system});
       msgs.push_back({"user", o.prompt});
-      one(encode_chat(*m, msgs));
+      one(encode_chat(*m, msgs, o.chat_template));
     } else {
       one(tok.encode(o.prompt, true, false));
     }
@@ -101,7 +103,7 @@ int run_generate(generate_opts& o) {
     std::fprintf(stderr, "> ");
     if (!std::getline(std::cin, line) || line.empty()) break;
     msgs.push_back({"user", line});
-    auto res = one(encode_chat(*m, msgs));
+    auto res = one(encode_chat(*m, msgs, o.chat_template));
     msgs.push_back({"assistant", res.text});
   }
   return 0;
@@ -119,6 +121,7 @@ action add_generate(CLI::App& app) {
   cmd->add_option("-n,--max-tokens", o->max_tokens, "max tokens to generate")->capture_default_str();
   cmd->add_flag("--chat", o->chat, "wrap the prompt in the model's chat template as a user message");
   cmd->add_option("--system", o->system, "system message (chat mode)");
+  cmd->add_option("--chat-template", o->chat_template, "template family instead of the model's own: chatml, llama3, gemma, mistral");
   cmd->add_flag("-i,--interactive", o->interactive, "multi-turn chat on the terminal");
   cmd->add_flag("--print-token-ids", o->print_ids, "print generated token ids instead of text");
   cmd->add_flag("-q,--quiet", o->quiet, "no statistics line on stderr");

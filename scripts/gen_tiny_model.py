@@ -9,9 +9,10 @@ seeded: the same arguments give the same bytes.
   gen_tiny_model.py OUT.gguf [--arch llama|qwen2] [--n-layer 2] [--d-model 64] [--n-head 4]
                     [--n-kv-head 2] [--head-dim 16] [--d-ff 96] [--vocab byte|N] [--ctx 256]
                     [--tied|--untied] [--qtype f32|f16|bf16|q8_0|q4_0|q4_1|q4_k|q5_k|q6_k]
-                    [--rope-dim N] [--seed 0]
+                    [--rope-dim N] [--embd-qtype TYPE] [--seed 0]
   gen_tiny_model.py OUT.gguf --preset NAME      one preset (see --list)
-  gen_tiny_model.py OUTDIR --preset all         every preset, as OUTDIR/NAME.gguf
+  gen_tiny_model.py [OUTDIR] --preset all       every preset, as OUTDIR/NAME.gguf
+                                                (default OUTDIR: tests/fixtures/generated)
   gen_tiny_model.py --list                      the presets, one a line
 
 Weight scales: matrices are N(0, 1/fan_in), so every projection keeps activations O(1); the
@@ -133,6 +134,8 @@ PRESETS: dict[str, tuple[ModelSpec, bool]] = {
     "llama_q4_k": (_spec(qtype="q4_k", **_KQ, seed=15), True),
     "llama_q5_k_untied": (_spec(qtype="q5_k", tied=False, **_KQ, seed=16), True),
     "llama_q6_k": (_spec(qtype="q6_k", **_KQ, seed=17), True),
+    # the default model's mix: q4_1 layers, q8_0 (tied) embeddings
+    "llama_q4_1_embd_q8_0": (_spec(qtype="q4_1", embd_qtype="q8_0", seed=18), True),
     # qwen2: NeoX RoPE and q/k/v biases
     "qwen2_f32_untied": (_spec(arch="qwen2", tied=False, seed=20), True),
     "qwen2_f32_mqa": (_spec(arch="qwen2", n_kv_head=1, seed=21), True),
@@ -391,7 +394,8 @@ def _parse_vocab(s: str) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", nargs="?", help="output .gguf (a directory with --preset all)")
+    ap.add_argument("out", nargs="?", help="output .gguf (a directory with --preset all, "
+                    "default tests/fixtures/generated)")
     ap.add_argument("--preset", help="a preset name, or 'all'")
     ap.add_argument("--list", action="store_true", help="list the presets")
     dflt = ModelSpec()
@@ -400,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-model", type=int, default=dflt.d_model)
     ap.add_argument("--n-head", type=int, default=dflt.n_head)
     ap.add_argument("--n-kv-head", type=int, default=dflt.n_kv_head)
-    ap.add_argument("--head-dim", type=int, default=dflt.head_dim)
+    ap.add_argument("--head-dim", type=int, default=None, help="default d_model / n_head")
     ap.add_argument("--d-ff", type=int, default=dflt.d_ff)
     ap.add_argument("--vocab", type=_parse_vocab, default=None, help="'byte' or a size to pad to")
     ap.add_argument("--ctx", type=int, default=dflt.ctx)
@@ -418,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, (spec, ok) in PRESETS.items():
             print(f"{name:28s} {'' if ok else '(not loadable by llama.cpp) '}{spec}")
         return 0
+    if not a.out and a.preset == "all":
+        a.out = str(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "generated")
     if not a.out:
         ap.error("an output path is required")
     t0 = time.perf_counter()
@@ -430,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
             paths = [write_model(PRESETS[a.preset][0], a.out, a.preset)]
         else:
             spec = ModelSpec(arch=a.arch, n_layer=a.n_layer, d_model=a.d_model, n_head=a.n_head,
-                             n_kv_head=a.n_kv_head, head_dim=a.head_dim, d_ff=a.d_ff,
+                             n_kv_head=a.n_kv_head, d_ff=a.d_ff,
+                             head_dim=a.head_dim if a.head_dim else a.d_model // a.n_head,
                              vocab=a.vocab, ctx=a.ctx, tied=a.tied, qtype=a.qtype,
                              rope_dim=a.rope_dim, seed=a.seed, embd_qtype=a.embd_qtype)
             paths = [write_model(spec, a.out)]

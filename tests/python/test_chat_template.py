@@ -227,16 +227,19 @@ MUTATIONS = [
     ("modulo", "% 2 == 0", "% 2 == 1"),
     ("system prefix", "'\\n\\n'", "'\\n'"),
     ("tools", "{% for message in messages %}", "{% if tools %}x{% endif %}{% for message in messages %}"),
+    ("newline after an expression", "}}{% endfor %}", "}}\n{% endfor %}"),
 ]
 
 HARMLESS = [
     # Formatting that Jinja renders identically: must stay recognized.
     ("whitespace control", "{% endfor %}", "{%- endfor -%}"),
     ("double quotes", "'<|im_start|>'", '"<|im_start|>"'),
-    ("spaces", "{{", "{{  "),
+    ("operator spacing", " + ", "+"),
     ("attribute syntax", "message['role']", "message.role"),
     ("comment", "{% endfor %}", "{% endfor %}{# a comment #}"),
     ("trailing newline", None, "\n"),
+    ("newline after a block", "{% endfor %}", "{% endfor %}\n"),
+    ("indented block", "{% if add_generation_prompt %}", "\n    {% if add_generation_prompt %}"),
 ]
 
 

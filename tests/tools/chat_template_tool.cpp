@@ -57,7 +57,8 @@ json run_one(const json& item) {
 int main() {
   json input;
   try {
-    input = json::parse(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
+    std::string text{std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>()};
+    input = json::parse(text);
     if (input.is_array()) {
       json results = json::array();
       for (const auto& item : input) results.push_back(run_one(item));

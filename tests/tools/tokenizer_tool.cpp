@@ -1,7 +1,8 @@
 // A small driver of engine::tokenizer for tests/python/test_tokenizer.py, with the same contract as
 // the `troupe tokenize|detokenize` subcommands:
 //   tokenizer_tool tokenize   --model PATH [--special] [--add-special]   UTF-8 text on stdin -> ids on one line
-//   tokenizer_tool detokenize --model PATH [--special]                   ids on stdin -> bytes on stdout
+//   tokenizer_tool detokenize --model PATH [--no-special]                ids on stdin -> bytes on stdout
+// (--special: parse special-token text; detokenize renders control tokens unless --no-special)
 // and three more for the tests:
 //   tokenizer_tool vocab --model PATH    JSON: n_vocab, bos, eos, add_bos, add_eos, eog, control ids
 //   tokenizer_tool batch --model PATH    one request per stdin line, one answer line each:
@@ -70,7 +71,7 @@ std::string to_hex(std::string_view s) {
 
 int usage() {
   std::fprintf(stderr,
-               "usage: tokenizer_tool tokenize|detokenize|vocab|bench --model PATH [--special] [--add-special] [--repeat N]\n");
+               "usage: tokenizer_tool tokenize|detokenize|vocab|batch|bench --model PATH [--special] [--add-special] [--no-special] [--repeat N]\n");
   return 2;
 }
 
@@ -80,7 +81,7 @@ int main(int argc, char** argv) try {
   if (argc < 2) return usage();
   const std::string cmd = argv[1];
   std::string model;
-  bool special = false, add_special = false;
+  bool special = false, add_special = false, no_special = false;
   int repeat = 10;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
@@ -90,6 +91,8 @@ int main(int argc, char** argv) try {
       special = true;
     } else if (a == "--add-special") {
       add_special = true;
+    } else if (a == "--no-special") {
+      no_special = true;
     } else if (a == "--repeat" && i + 1 < argc) {
       repeat = std::stoi(argv[++i]);
     } else {
@@ -106,7 +109,7 @@ int main(int argc, char** argv) try {
     std::fwrite(line.data(), 1, line.size(), stdout);
   } else if (cmd == "detokenize") {
     std::istringstream in(read_stdin());
-    const std::string text = tok->decode(parse_ids(in), special);
+    const std::string text = tok->decode(parse_ids(in), !no_special);
     std::fwrite(text.data(), 1, text.size(), stdout);
   } else if (cmd == "batch") {
     std::string line;

@@ -1,0 +1,280 @@
+// The scheduler core's state changes: admission control, cancel, applying a decision to the
+// block manager (schedule), and advancing sequences with a step's results (on_step_done).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <stdexcept>
+#include <unordered_set>
+
+#include "actors/scheduler_policy.hpp"
+
+namespace troupe::actors {
+
+namespace {
+
+std::string seq_name(uint64_t id) { return "sequence " + std::to_string(id); }
+
+std::string fmt_s(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3g s", s);
+  return buf;
+}
+
+}  // namespace
+
+scheduler_core::scheduler_core(const scheduler_config& cfg, engine::block_manager& kv) : cfg_(cfg), kv_(kv) {
+  if (const std::string e = validate(cfg); !e.empty()) throw std::invalid_argument("scheduler config: " + e);
+}
+
+bool scheduler_core::is_long(const sequence& s) const {
+  return (int64_t)s.tokens.size() - s.n_computed >= cfg_.long_prompt_threshold;
+}
+
+double scheduler_core::timeout_of(const sequence& s) const {
+  return s.req.queue_timeout_s > 0 ? s.req.queue_timeout_s : cfg_.queue_timeout_s;
+}
+
+void scheduler_core::to_waiting(sequence& s, seq_state state, double now) {
+  s.state = state;
+  s.enqueued_at = now;
+  waiting_.push_back(s.req.id);
+  n_waiting_tokens_ += (int64_t)s.tokens.size();
+}
+
+void scheduler_core::leave_waiting(uint64_t id) {
+  waiting_.erase(std::find(waiting_.begin(), waiting_.end(), id));
+  n_waiting_tokens_ -= (int64_t)seqs_.at(id).tokens.size();
+}
+
+void scheduler_core::leave_running(uint64_t id) { running_.erase(std::find(running_.begin(), running_.end(), id)); }
+
+admission scheduler_core::add(request_spec req, double now) {
+  auto refuse = [&](admit_error e, std::string msg) {
+    ++stats_.n_refused;
+    return admission{e, std::move(msg)};
+  };
+  if (req.prompt.empty()) return refuse(admit_error::invalid_request, "the prompt is empty");
+  if (req.max_tokens < 1)
+    return refuse(admit_error::invalid_request, "max_tokens must be at least 1, got " + std::to_string(req.max_tokens));
+  if (!std::isfinite(req.queue_timeout_s) || req.queue_timeout_s < 0)
+    return refuse(admit_error::invalid_request, "the queue timeout must be a finite number of seconds >= 0");
+  if (seqs_.count(req.id)) return refuse(admit_error::duplicate_id, "request id " + std::to_string(req.id) + " is in use");
+  const int64_t n_prompt = (int64_t)req.prompt.size();
+  const int64_t total = n_prompt + req.max_tokens;
+  if (cfg_.max_model_len > 0 && total > cfg_.max_model_len)
+    return refuse(admit_error::too_long, "the prompt (" + std::to_string(n_prompt) + " tokens) plus max_tokens (" +
+                                             std::to_string(req.max_tokens) + ") exceeds the model length of " +
+                                             std::to_string(cfg_.max_model_len));
+  // The last sampled token is never fed back: total - 1 positions at most.
+  if (engine::kv_blocks_for(total - 1, kv_.block_size()) + cfg_.kv_watermark_blocks > kv_.n_device())
+    return refuse(admit_error::too_long, "the prompt (" + std::to_string(n_prompt) + " tokens) plus max_tokens (" +
+                                             std::to_string(req.max_tokens) + ") needs more KV cache than the " +
+                                             std::to_string(kv_.n_device()) + " blocks of " +
+                                             std::to_string(kv_.block_size()) + " positions can hold");
+  if ((int64_t)waiting_.size() >= cfg_.max_waiting)
+    return refuse(admit_error::queue_full, std::to_string(waiting_.size()) + " requests are waiting (limit " +
+                                               std::to_string(cfg_.max_waiting) + ")");
+  if (n_waiting_tokens_ + n_prompt > cfg_.max_waiting_tokens)
+    return refuse(admit_error::queue_tokens_full, std::to_string(n_waiting_tokens_) + " tokens are waiting; " +
+                                                      std::to_string(n_prompt) + " more would pass the limit of " +
+                                                      std::to_string(cfg_.max_waiting_tokens));
+  const uint64_t id = req.id;
+  sequence s;
+  s.tokens = req.prompt;
+  s.req = std::move(req);
+  s.arrival = now;
+  s.order = next_order_++;
+  auto& ref = seqs_.emplace(id, std::move(s)).first->second;
+  to_waiting(ref, seq_state::waiting, now);
+  ++stats_.n_added;
+  return {};
+}
+
+bool scheduler_core::cancel(uint64_t id) {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return false;
+  if (it->second.state == seq_state::running) leave_running(id);
+  else leave_waiting(id);
+  kv_.free(id);
+  seqs_.erase(it);
+  ++stats_.n_cancelled;
+  return true;
+}
+
+batch_entry scheduler_core::make_entry(const sequence& s, int32_t n_tokens) const {
+  batch_entry e;
+  e.seq = s.req.id;
+  e.pos0 = s.n_computed;
+  const auto first = s.tokens.begin() + (ptrdiff_t)s.n_computed;
+  e.tokens.assign(first, first + n_tokens);
+  const auto table = kv_.table(s.req.id);
+  e.block_table.assign(table.begin(), table.begin() + engine::kv_blocks_for(e.pos0 + n_tokens, kv_.block_size()));
+  e.need_logits = e.pos0 + n_tokens == (int64_t)s.tokens.size();
+  return e;
+}
+
+step_plan scheduler_core::schedule(double now) {
+  if (step_in_flight()) throw std::logic_error("scheduler_core::schedule: the previous step is still in flight");
+  const step_decision d = decide(now);
+  step_plan plan;
+  plan.step = ++step_no_;
+  ++stats_.n_steps;
+
+  for (uint64_t id : d.timed_out) {
+    const sequence& s = seqs_.at(id);
+    plan.failed.push_back({id, fail_reason::queue_timeout,
+                           "waited " + fmt_s(now - s.enqueued_at) + " in the queue (limit " + fmt_s(timeout_of(s)) + ")"});
+    leave_waiting(id);
+    kv_.free(id);  // host blocks of a swapped sequence too
+    seqs_.erase(id);
+    ++stats_.n_timed_out;
+  }
+
+  for (const preemption_event& p : d.preempt) {
+    sequence& s = seqs_.at(p.seq);
+    leave_running(p.seq);
+    preemption_mode mode = p.mode;
+    if (mode == preemption_mode::swap && !kv_.swap_out(p.seq, plan.copies)) mode = preemption_mode::recompute;
+    if (mode == preemption_mode::recompute) {
+      kv_.free(p.seq);  // computed full blocks stay in the prefix cache
+      s.n_computed = 0;
+      ++stats_.n_preempted_recompute;
+    } else {
+      ++stats_.n_preempted_swap;
+    }
+    to_waiting(s, mode == preemption_mode::swap ? seq_state::swapped : seq_state::waiting, now);
+    s.long_prefill = false;
+    ++s.n_preempted;
+    plan.preempted.push_back({p.seq, mode, p.cause});
+  }
+
+  std::vector<scheduled_seq> batch;
+  for (const scheduled_seq& r : d.run) {
+    const sequence& s = seqs_.at(r.seq);
+    if (!kv_.append(r.seq, (int64_t)s.tokens.size() - kv_.n_positions(r.seq), plan.copies))
+      throw std::logic_error("scheduler_core: the planned KV growth of " + seq_name(r.seq) + " failed");
+    batch.push_back(r);
+    if ((int64_t)s.tokens.size() - s.n_computed == 1) ++plan.n_decodes;
+  }
+
+  for (const scheduled_seq& a : d.admit) {
+    sequence& s = seqs_.at(a.seq);
+    const bool long_prefill = is_long(s);
+    if (s.state == seq_state::swapped) {
+      const int64_t extra = (int64_t)s.tokens.size() - kv_.n_positions(a.seq);
+      if (kv_.cost_swap_in(a.seq, extra) > kv_.n_available_device()) continue;  // stays swapped
+      kv_.swap_in(a.seq, plan.copies);
+      if (!kv_.append(a.seq, extra, plan.copies))
+        throw std::logic_error("scheduler_core: KV growth after the swap-in of " + seq_name(a.seq) + " failed");
+    } else {
+      // The plan's estimate can be off when one admission evicts what the next one hoped to
+      // hit; then the request just waits.
+      const auto cached = kv_.allocate(a.seq, s.tokens);
+      if (!cached) continue;
+      s.n_computed = *cached;
+    }
+    leave_waiting(a.seq);
+    s.state = seq_state::running;
+    s.running_since = now;
+    s.long_prefill = long_prefill;
+    running_.push_back(a.seq);
+    ++stats_.n_admitted;
+    batch.push_back({a.seq, (int32_t)std::min<int64_t>(a.n_tokens, (int64_t)s.tokens.size() - s.n_computed)});
+  }
+
+  for (const scheduled_seq& b : batch) {
+    batch_entry e = make_entry(seqs_.at(b.seq), b.n_tokens);
+    plan.n_tokens += b.n_tokens;
+    pending_.push_back({b.seq, b.n_tokens, e.need_logits});
+    plan.batch.push_back(std::move(e));
+  }
+  stats_.n_decode_tokens += plan.n_decodes;
+  stats_.n_prefill_tokens += plan.n_tokens - plan.n_decodes;
+  return plan;
+}
+
+std::vector<finished_seq> scheduler_core::on_step_done(std::span<const token_result> results, double now) {
+  if (pending_.empty()) throw std::logic_error("scheduler_core::on_step_done: no step in flight");
+  // Validate everything before changing anything.
+  std::unordered_map<uint64_t, const token_result*> by_seq;
+  for (const token_result& r : results)
+    if (!by_seq.emplace(r.seq, &r).second) throw std::invalid_argument("two results for " + seq_name(r.seq));
+  size_t n_matched = 0;
+  for (const pending_entry& p : pending_) {
+    if (!p.need_logits) continue;
+    if (by_seq.count(p.seq)) ++n_matched;
+    else if (seqs_.count(p.seq)) throw std::invalid_argument("no sampled token for " + seq_name(p.seq));
+  }
+  if (n_matched != by_seq.size()) throw std::invalid_argument("a result for a sequence that asked for no token");
+
+  std::vector<finished_seq> done;
+  for (const pending_entry& p : pending_) {
+    auto it = seqs_.find(p.seq);
+    if (it == seqs_.end()) continue;  // cancelled while the step ran
+    sequence& s = it->second;
+    s.n_computed += p.n_tokens;
+    std::optional<finish_reason> fin;
+    if (p.need_logits) {
+      const token_result& r = *by_seq.at(p.seq);
+      s.tokens.push_back(r.token);
+      ++s.n_generated;
+      s.long_prefill = false;
+      if (r.stop) fin = finish_reason::stop;
+      else if (s.n_generated >= s.req.max_tokens) fin = finish_reason::length;
+    }
+    // Computed full blocks become prefix-cacheable (also for a finished sequence: a follow-up
+    // request of the same conversation starts with them).
+    kv_.commit(p.seq, std::span(s.tokens).first((size_t)s.n_computed));
+    if (fin) {
+      done.push_back({p.seq, *fin, std::vector<token_id>(s.tokens.end() - s.n_generated, s.tokens.end())});
+      leave_running(p.seq);
+      kv_.free(p.seq);
+      seqs_.erase(it);
+      ++stats_.n_finished;
+    }
+  }
+  pending_.clear();
+  return done;
+}
+
+std::optional<seq_info> scheduler_core::find(uint64_t id) const {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return std::nullopt;
+  const sequence& s = it->second;
+  return seq_info{s.state, s.tokens, s.n_computed, s.n_generated, s.n_preempted};
+}
+
+std::string scheduler_core::check() const {
+  if (std::string e = kv_.check(); !e.empty()) return "kv: " + e;
+  if (running_.size() + waiting_.size() != seqs_.size()) return "a sequence is in no list or in two";
+  if (running_.size() > (size_t)cfg_.max_num_seqs) return "more running sequences than max_num_seqs";
+  std::unordered_set<uint64_t> seen;
+  for (uint64_t id : running_) {
+    auto it = seqs_.find(id);
+    if (it == seqs_.end() || it->second.state != seq_state::running || !seen.insert(id).second)
+      return seq_name(id) + ": listed as running";
+    if (!kv_.has(id) || kv_.is_swapped(id) || kv_.n_positions(id) < it->second.n_computed)
+      return seq_name(id) + ": running without its KV";
+  }
+  int64_t n_tokens = 0;
+  for (uint64_t id : waiting_) {
+    auto it = seqs_.find(id);
+    if (it == seqs_.end() || it->second.state == seq_state::running || !seen.insert(id).second)
+      return seq_name(id) + ": listed as waiting";
+    const sequence& s = it->second;
+    n_tokens += (int64_t)s.tokens.size();
+    if (s.state == seq_state::waiting && (kv_.has(id) || s.n_computed != 0)) return seq_name(id) + ": waiting with KV";
+    if (s.state == seq_state::swapped && (!kv_.has(id) || !kv_.is_swapped(id)))
+      return seq_name(id) + ": swapped without host blocks";
+  }
+  if (n_tokens != n_waiting_tokens_) return "the waiting token count is off";
+  for (const auto& [id, s] : seqs_) {
+    if (s.tokens.size() != s.req.prompt.size() + (size_t)s.n_generated || s.n_generated >= s.req.max_tokens)
+      return seq_name(id) + ": token count is off";
+    if (s.n_computed >= (int64_t)s.tokens.size() && !step_in_flight())
+      return seq_name(id) + ": nothing left to compute";
+  }
+  return {};
+}
+
+}  // namespace troupe::actors

@@ -1,0 +1,251 @@
+// The scheduler's core: waiting queues, the running set and the per-step plan, as plain code
+// (no actor library). The scheduler actor wraps one; tests drive it directly with a fake executor.
+//
+// Protocol (one step in flight):
+//   add()/cancel() at any time; plan = schedule(now); the executor performs plan.copies in order,
+//   then runs plan.batch through the forward and samples; on_step_done(results, now) before the
+//   next schedule(). A plan with an empty batch leaves no step in flight (its copies, if any,
+//   still run before the next forward). Time is always a parameter: nothing here reads a clock.
+//
+// Sequence states: waiting (no KV: never run, or preempted by recompute) -> running (resident
+// KV) -> finished; running -> swapped (KV on host) -> running; running -> waiting (recompute).
+// Finished, failed and cancelled sequences are removed and their blocks freed at once.
+//
+// One step (decide, then apply):
+//   1. waiting/swapped requests past their queue timeout fail (host blocks freed);
+//   2. priority preemption: for the first waiting request (aged order) that has waited
+//      priority_preempt_after_s and does not fit, running sequences of a strictly lower
+//      (class, priority) that have run priority_preempt_after_s since their admission are
+//      preempted, lowest first, when that makes it fit; it is then admitted first;
+//   3. running sequences, best first, get the KV positions they need; when blocks run out the
+//      lowest-priority, latest-arrived running sequence is preempted (possibly the one asking);
+//   4. the batch: every running decode (1 token), then running prefills' chunks, best first,
+//      under max_batched_tokens;
+//   5. admissions (none in a step that preempted for KV): the short and long queues' heads by
+//      aged key, while sequence slots, tokens and KV blocks last; a head that does not fit KV
+//      blocks only its own queue (the other bypasses it) unless it has waited max_bypass_wait_s;
+//   6. leftover tokens extend long prefills held to long_prefill_chunk.
+// Aging: effective level = class level (interactive 0, normal 1, batch 2) - floor(waited since
+// arrival / aging_s), unbounded below; waiting requests are served by (effective level, higher
+// priority, earlier arrival). So a batch request that waited aging_s competes as normal,
+// 2 aging_s as interactive, and later ahead of fresh interactive work: nothing starves.
+// Preemption compares static (class, priority) only, so a preempted sequence never preempts back.
+// Swap preemption falls back to recompute when the host pool is short; a recomputed sequence
+// re-prefills prompt + generated tokens and continues where it was.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/block_manager.hpp"
+
+namespace troupe::actors {
+
+using engine::token_id;
+
+enum class priority_class : uint8_t { interactive, normal, batch };
+enum class preemption_mode : uint8_t { swap, recompute };
+
+struct scheduler_config {
+  int32_t max_batched_tokens = 512;     // tokens per step, decodes + prefill chunks
+  int32_t max_num_seqs = 64;            // running sequences (so also batch entries per step)
+  int32_t long_prompt_threshold = 256;  // a prefill of this many tokens or more is long
+  int32_t long_prefill_chunk = 256;     // a long prefill's chunk while others compete (0: no cap)
+  int32_t max_long_prefills = 1;        // long prefills running at once
+  int32_t max_waiting = 1024;           // admission control: waiting requests ...
+  int64_t max_waiting_tokens = 1 << 20; // ... and their tokens
+  int64_t max_model_len = 0;            // prompt + max_tokens limit (0: the KV pool's size)
+  int32_t kv_watermark_blocks = 0;      // device blocks admissions leave free for decodes
+  preemption_mode preemption = preemption_mode::swap;
+  double aging_s = 10.0;                  // one class level per aging_s waited (<= 0: no aging)
+  double priority_preempt_after_s = 5.0;  // (<= 0: no priority preemption)
+  double max_bypass_wait_s = 30.0;        // (<= 0: a blocked head is always bypassed)
+  double queue_timeout_s = 0;             // default waiting limit (0: none)
+};
+
+/// Empty when valid, else one line naming the field and its allowed range.
+std::string validate(const scheduler_config& c);
+
+struct request_spec {
+  uint64_t id = 0;
+  std::vector<token_id> prompt;
+  int32_t max_tokens = 16;  // tokens to generate at most (>= 1)
+  priority_class cls = priority_class::normal;
+  int32_t priority = 0;          // within its class: higher is served first
+  double queue_timeout_s = 0;    // waiting limit for this request (0: the config's)
+};
+
+/// Why add() refused a request. The HTTP layer maps queue_full / queue_tokens_full to 429 and
+/// invalid_request / too_long to 400.
+enum class admit_error : uint8_t { none, invalid_request, too_long, duplicate_id, queue_full, queue_tokens_full };
+
+struct admission {
+  admit_error error = admit_error::none;
+  std::string message;
+  bool ok() const { return error == admit_error::none; }
+};
+
+enum class seq_state : uint8_t { waiting, swapped, running };
+enum class preempt_cause : uint8_t { kv_exhausted, priority };
+enum class fail_reason : uint8_t { queue_timeout };
+enum class finish_reason : uint8_t { stop, length };
+
+const char* to_string(priority_class c);
+const char* to_string(preemption_mode m);
+const char* to_string(admit_error e);
+const char* to_string(seq_state s);
+const char* to_string(preempt_cause c);
+const char* to_string(fail_reason r);
+const char* to_string(finish_reason r);
+
+/// One sequence's part of a step: tokens at positions [pos0, pos0 + tokens.size()).
+struct batch_entry {
+  uint64_t seq = 0;
+  int64_t pos0 = 0;
+  std::vector<token_id> tokens;
+  std::vector<int32_t> block_table;  // device ids covering [0, pos0 + tokens.size())
+  bool need_logits = false;          // true: sample a token after the last one
+};
+
+struct preemption_event {
+  uint64_t seq = 0;
+  preemption_mode mode = preemption_mode::swap;
+  preempt_cause cause = preempt_cause::kv_exhausted;
+};
+
+struct failure_event {
+  uint64_t seq = 0;
+  fail_reason reason = fail_reason::queue_timeout;
+  std::string message;
+};
+
+struct step_plan {
+  uint64_t step = 0;
+  std::vector<engine::block_copy> copies;   // run in order, before the forward
+  std::vector<batch_entry> batch;           // decodes first, then prefill chunks
+  int32_t n_decodes = 0;                    // batch[0, n_decodes) are running decodes
+  int32_t n_tokens = 0;                     // tokens in the batch
+  std::vector<preemption_event> preempted;  // their KV is gone (recompute) or on host (swap)
+  std::vector<failure_event> failed;        // removed, every block freed
+};
+
+/// The planning function's output: what to do, before anything is done.
+struct scheduled_seq {
+  uint64_t seq = 0;
+  int32_t n_tokens = 0;
+};
+struct step_decision {
+  std::vector<uint64_t> timed_out;
+  std::vector<preemption_event> preempt;  // in this order
+  std::vector<scheduled_seq> run;         // running: decodes, then prefill chunks
+  std::vector<scheduled_seq> admit;       // waiting or swapped sequences that join
+};
+
+/// The executor's answer for a batch entry with need_logits. `stop`: the caller decided that
+/// this token ends the sequence (stop token or string).
+struct token_result {
+  uint64_t seq = 0;
+  token_id token = 0;
+  bool stop = false;
+};
+
+struct finished_seq {
+  uint64_t seq = 0;
+  finish_reason reason = finish_reason::length;
+  std::vector<token_id> generated;
+};
+
+struct scheduler_stats {
+  int64_t n_added = 0, n_refused = 0, n_admitted = 0, n_finished = 0, n_cancelled = 0;
+  int64_t n_timed_out = 0, n_preempted_swap = 0, n_preempted_recompute = 0;
+  int64_t n_steps = 0, n_prefill_tokens = 0, n_decode_tokens = 0;
+};
+
+struct seq_info {
+  seq_state state = seq_state::waiting;
+  std::span<const token_id> tokens;  // prompt then generated
+  int64_t n_computed = 0;            // positions whose KV is computed
+  int32_t n_generated = 0;
+  int32_t n_preempted = 0;
+};
+
+class scheduler_core {
+ public:
+  /// Throws std::invalid_argument when the config is invalid. `kv` must outlive the core, and
+  /// only the core allocates from it.
+  scheduler_core(const scheduler_config& cfg, engine::block_manager& kv);
+
+  /// Queues a request, or refuses it at once (nothing kept) with the reason.
+  admission add(request_spec req, double now);
+  /// Drops a request in any state and frees its blocks now. Its entry in a step in flight is
+  /// ignored when the step returns. False when the id is unknown (finished or never added).
+  bool cancel(uint64_t id);
+
+  /// The planning function: what the next step would do, changing nothing.
+  step_decision decide(double now) const;
+  /// decide() then apply it: KV allocation, copies, the batch. Throws std::logic_error while
+  /// a step is in flight.
+  step_plan schedule(double now);
+  /// Advances the sequences of the step in flight. results: one per batch entry with
+  /// need_logits (entries of cancelled sequences may be missing). Returns the sequences that
+  /// finished (removed, blocks freed). Throws std::invalid_argument (nothing changed) when a
+  /// result is missing, unexpected or duplicated.
+  std::vector<finished_seq> on_step_done(std::span<const token_result> results, double now);
+
+  bool step_in_flight() const { return !pending_.empty(); }
+  size_t n_running() const { return running_.size(); }
+  size_t n_waiting() const { return waiting_.size(); }  // swapped ones included
+  int64_t n_waiting_tokens() const { return n_waiting_tokens_; }
+  std::optional<seq_info> find(uint64_t id) const;
+  const scheduler_config& config() const { return cfg_; }
+  const scheduler_stats& stats() const { return stats_; }
+  const engine::block_manager& kv() const { return kv_; }
+
+  /// Empty when the core's and the block manager's invariants hold, else the first violation.
+  std::string check() const;
+
+ private:
+  struct sequence {
+    request_spec req;
+    double arrival = 0;      // add(): aging and FIFO order
+    double enqueued_at = 0;  // last entry into the waiting state: queue timeout
+    double running_since = 0;  // last admission: shields it from priority preemption for a while
+    uint64_t order = 0;      // arrival rank
+    seq_state state = seq_state::waiting;
+    std::vector<token_id> tokens;  // prompt then generated
+    int64_t n_computed = 0;
+    int32_t n_generated = 0;
+    int32_t n_preempted = 0;
+    bool long_prefill = false;  // admitted as a long prefill that is not finished yet
+  };
+  struct pending_entry {
+    uint64_t seq;
+    int32_t n_tokens;
+    bool need_logits;
+  };
+  friend struct plan_context;
+
+  bool is_long(const sequence& s) const;
+  double timeout_of(const sequence& s) const;
+  void to_waiting(sequence& s, seq_state state, double now);
+  void leave_waiting(uint64_t id);
+  void leave_running(uint64_t id);
+  batch_entry make_entry(const sequence& s, int32_t n_tokens) const;
+
+  scheduler_config cfg_;
+  engine::block_manager& kv_;
+  std::unordered_map<uint64_t, sequence> seqs_;
+  std::vector<uint64_t> running_;  // admission order
+  std::vector<uint64_t> waiting_;  // waiting and swapped (decide() orders them)
+  int64_t n_waiting_tokens_ = 0;
+  uint64_t next_order_ = 0;
+  uint64_t step_no_ = 0;
+  std::vector<pending_entry> pending_;  // the step in flight
+  scheduler_stats stats_;
+};
+
+}  // namespace troupe::actors
