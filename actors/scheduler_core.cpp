@@ -80,7 +80,8 @@ admission scheduler_core::add(request_spec req, double now) {
                                                       std::to_string(cfg_.max_waiting_tokens));
   const uint64_t id = req.id;
   sequence s;
-  s.tokens = req.prompt;
+  s.tokens = std::move(req.prompt);
+  s.n_prompt = n_prompt;
   s.req = std::move(req);
   s.arrival = now;
   s.order = next_order_++;
@@ -99,6 +100,29 @@ bool scheduler_core::cancel(uint64_t id) {
   seqs_.erase(it);
   ++stats_.n_cancelled;
   return true;
+}
+
+std::vector<uint64_t> scheduler_core::on_executor_lost(double now) {
+  pending_.clear();
+  std::vector<uint64_t> lost;
+  for (uint64_t id : std::vector<uint64_t>(running_)) {
+    leave_running(id);
+    lost.push_back(id);
+  }
+  for (uint64_t id : std::vector<uint64_t>(waiting_))
+    if (seqs_.at(id).state == seq_state::swapped) {
+      leave_waiting(id);
+      lost.push_back(id);
+    }
+  for (uint64_t id : lost) {
+    sequence& s = seqs_.at(id);
+    kv_.free(id);
+    s.n_computed = 0;
+    s.long_prefill = false;
+    to_waiting(s, seq_state::waiting, now);
+  }
+  kv_.clear_cache();
+  return lost;
 }
 
 batch_entry scheduler_core::make_entry(const sequence& s, int32_t n_tokens) const {
@@ -269,7 +293,7 @@ std::string scheduler_core::check() const {
   }
   if (n_tokens != n_waiting_tokens_) return "the waiting token count is off";
   for (const auto& [id, s] : seqs_) {
-    if (s.tokens.size() != s.req.prompt.size() + (size_t)s.n_generated || s.n_generated >= s.req.max_tokens)
+    if ((int64_t)s.tokens.size() != s.n_prompt + s.n_generated || s.n_generated >= s.req.max_tokens)
       return seq_name(id) + ": token count is off";
     if (s.n_computed >= (int64_t)s.tokens.size() && !step_in_flight())
       return seq_name(id) + ": nothing left to compute";

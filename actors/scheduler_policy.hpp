@@ -196,6 +196,12 @@ class scheduler_core {
   /// result is missing, unexpected or duplicated.
   std::vector<finished_seq> on_step_done(std::span<const token_result> results, double now);
 
+  /// The executor died: the step in flight is void and every KV block it held (device, host,
+  /// prefix cache) is lost. Running and swapped sequences go back to waiting, to be recomputed
+  /// from their prompt and the tokens generated so far; their queue timeout restarts at `now`.
+  /// Returns their ids.
+  std::vector<uint64_t> on_executor_lost(double now);
+
   bool step_in_flight() const { return !pending_.empty(); }
   size_t n_running() const { return running_.size(); }
   size_t n_waiting() const { return waiting_.size(); }  // swapped ones included
@@ -210,7 +216,8 @@ class scheduler_core {
 
  private:
   struct sequence {
-    request_spec req;
+    request_spec req;        // its prompt moved into tokens
+    int64_t n_prompt = 0;
     double arrival = 0;      // add(): aging and FIFO order
     double enqueued_at = 0;  // last entry into the waiting state: queue timeout
     double running_since = 0;  // last admission: shields it from priority preemption for a while

@@ -97,9 +97,8 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
     pool_.parallel_for(n, 8, [&](int64_t r0, int64_t r1, int) {
       for (int64_t r = r0; r < r1; ++r) kernels::rmsnorm_row(&x_[(size_t)(r * d)], L.attn_norm.data(), &h_[(size_t)(r * d)], d, hp.norm_eps);
     });
-    kernels::matmul(L.wq, h_.data(), d, n, q_.data(), qd, pool_);
-    kernels::matmul(L.wk, h_.data(), d, n, k_.data(), kvd, pool_);
-    kernels::matmul(L.wv, h_.data(), d, n, v_.data(), kvd, pool_);
+    const kernels::matmul_out qkv[3] = {{L.wq, q_.data(), qd}, {L.wk, k_.data(), kvd}, {L.wv, v_.data(), kvd}};
+    kernels::matmul_batch(qkv, h_.data(), d, n, pool_);
     pool_.parallel_for(n, 4, [&](int64_t r0, int64_t r1, int) {
       for (int64_t r = r0; r < r1; ++r) {
         float* q = &q_[(size_t)(r * qd)];
@@ -138,8 +137,8 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
     pool_.parallel_for(n, 8, [&](int64_t r0, int64_t r1, int) {
       for (int64_t r = r0; r < r1; ++r) kernels::rmsnorm_row(&x_[(size_t)(r * d)], L.ffn_norm.data(), &h_[(size_t)(r * d)], d, hp.norm_eps);
     });
-    kernels::matmul(L.w_gate, h_.data(), d, n, gate_.data(), hp.d_ff, pool_);
-    kernels::matmul(L.w_up, h_.data(), d, n, up_.data(), hp.d_ff, pool_);
+    const kernels::matmul_out gate_up[2] = {{L.w_gate, gate_.data(), hp.d_ff}, {L.w_up, up_.data(), hp.d_ff}};
+    kernels::matmul_batch(gate_up, h_.data(), d, n, pool_);
     pool_.parallel_for(n, 4, [&](int64_t r0, int64_t r1, int) {
       kernels::swiglu(&gate_[(size_t)(r0 * hp.d_ff)], &up_[(size_t)(r0 * hp.d_ff)], (r1 - r0) * hp.d_ff);
     });

@@ -40,8 +40,8 @@ class thread_pool {
         const_cast<void*>(static_cast<const void*>(&fn)));
   }
 
-  /// Splits [0, n) into contiguous chunks of `grain` (the last may be shorter) handed out
-  /// statically: fn(begin, end, ith).
+  /// Splits [0, n) into contiguous chunks of `grain` (the last may be shorter), one run of
+  /// chunks per share: fn(begin, end, ith), ith the share (see run()).
   template <class Fn>
   void parallel_for(int64_t n, int64_t grain, Fn&& fn) {
     if (n <= 0) return;
