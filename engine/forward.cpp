@@ -148,17 +148,17 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
 
   // Output rows: every row of all_logits chunks, else each chunk's last row.
   int64_t n_out = 0;
-  for (const auto& c : batch) n_out += c.all_logits ? (int64_t)c.tokens.size() : 1;
+  for (const auto& c : batch) n_out += c.no_logits ? 0 : c.all_logits ? (int64_t)c.tokens.size() : 1;
   if ((int64_t)out_rows_.size() < n_out * d) out_rows_.resize((size_t)(n_out * d));
   for (int64_t r = 0, o = 0, ci = 0; ci < (int64_t)batch.size(); ++ci) {
     const int64_t len = (int64_t)batch[ci].tokens.size();
-    const int64_t first = batch[ci].all_logits ? 0 : len - 1;
+    const int64_t first = batch[ci].no_logits ? len : batch[ci].all_logits ? 0 : len - 1;
     for (int64_t j = first; j < len; ++j, ++o)
       kernels::rmsnorm_row(&x_[(size_t)((r + j) * d)], m_.output_norm().data(), &out_rows_[(size_t)(o * d)], d, hp.norm_eps);
     r += len;
   }
   logits_.resize((size_t)(n_out * hp.n_vocab));
-  kernels::matmul(m_.output(), out_rows_.data(), d, n_out, logits_.data(), hp.n_vocab, pool_);
+  if (n_out > 0) kernels::matmul(m_.output(), out_rows_.data(), d, n_out, logits_.data(), hp.n_vocab, pool_);
   return logits_;
 }
 

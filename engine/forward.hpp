@@ -23,6 +23,7 @@ struct seq_chunk {
   int64_t pos0 = 0;
   std::span<const int32_t> block_table;  // must cover positions [0, pos0 + tokens.size())
   bool all_logits = false;                // logits for every token, else for the last one only
+  bool no_logits = false;                 // no logits at all (a prefill chunk that ends mid-prompt)
 };
 
 class cpu_forward {
@@ -30,7 +31,7 @@ class cpu_forward {
   cpu_forward(const model& m, kv_storage& kv, kernels::thread_pool& pool);
 
   /// Runs one step. Returns the logits rows, n_vocab floats each, in batch order: every token of
-  /// a chunk with all_logits, else its last token. The KV of every token is written to the cache.
+  /// a chunk with all_logits, none for a chunk with no_logits, else its last token. The KV of every token is written to the cache.
   /// Throws std::invalid_argument (nothing written) when a token id is out of range or a block
   /// table does not cover its positions.
   const std::vector<float>& forward(std::span<const seq_chunk> batch);

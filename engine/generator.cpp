@@ -116,18 +116,19 @@ std::vector<generation_result> generator::run(std::span<const generation_request
       const int64_t left = (int64_t)s.req->prompt.size() - s.n_done;
       if (s.finished || left <= 0) continue;
       const int64_t len = std::min(left, budget);
-      batch.push_back({std::span(s.tokens).subspan((size_t)s.n_done, (size_t)len), s.n_done, s.blocks, false});
+      batch.push_back({std::span(s.tokens).subspan((size_t)s.n_done, (size_t)len), s.n_done, s.blocks, false, len < left});
       owner.push_back(i);
       budget -= len;
     }
     if (batch.empty()) break;
 
     const std::vector<float>& logits = fwd_->forward(batch);
-    for (size_t b = 0; b < batch.size(); ++b) {
+    for (size_t b = 0, row_i = 0; b < batch.size(); ++b) {
       seq_state& s = seqs[owner[b]];
       s.n_done += (int64_t)batch[b].tokens.size();
-      if (s.n_done < (int64_t)s.req->prompt.size()) continue;  // mid-prompt chunk: no token yet
-      std::vector<float> row(logits.begin() + (ptrdiff_t)(b * (size_t)n_vocab), logits.begin() + (ptrdiff_t)((b + 1) * (size_t)n_vocab));
+      if (batch[b].no_logits) continue;  // mid-prompt chunk: no token yet
+      const auto first = logits.begin() + (ptrdiff_t)(row_i++ * (size_t)n_vocab);
+      std::vector<float> row(first, first + n_vocab);
       sample_result sr = s.samp.sample(row, s.tokens);
       if (s.res.tokens.empty()) s.res.prefill_s = since(t0);
       const sampling_params& sp = s.req->sampling;

@@ -1,0 +1,147 @@
+#include "actors/engine_handle.hpp"
+
+#include <atomic>
+#include <stdexcept>
+
+#include "actors/runtime.hpp"
+
+namespace troupe::actors {
+
+const char* to_string(gen_error e) {
+  switch (e) {
+    case gen_error::none: return "none";
+    case gen_error::invalid: return "invalid_request";
+    case gen_error::too_long: return "context_length_exceeded";
+    case gen_error::overloaded: return "overloaded";
+    case gen_error::queue_timeout: return "queue_timeout";
+    case gen_error::deadline: return "deadline_exceeded";
+    case gen_error::cancelled: return "cancelled";
+    case gen_error::unavailable: return "unavailable";
+    case gen_error::internal: return "internal_error";
+  }
+  return "?";
+}
+
+// --- generation_stream ---------------------------------------------------------------------------
+
+std::optional<stream_event> generation_stream::next(std::chrono::milliseconds timeout) {
+  std::unique_lock lk(mu_);
+  if (!cv_.wait_for(lk, timeout, [&] { return !q_.empty() || final_taken_; })) return std::nullopt;
+  if (q_.empty()) return std::nullopt;
+  stream_event ev = std::move(q_.front());
+  q_.pop_front();
+  if (ev.type != stream_event::kind::token) final_taken_ = true;
+  return ev;
+}
+
+void generation_stream::push(stream_event ev) {
+  std::function<void()> notify;
+  {
+    std::lock_guard lk(mu_);
+    if (final_pushed_) return;  // one final event; nothing after it
+    if (ev.type != stream_event::kind::token) final_pushed_ = true;
+    // Bounded by construction (max_tokens + 2); a breach is a bug, not a client's doing.
+    if (q_.size() >= capacity_ && ev.type == stream_event::kind::token) return;
+    q_.push_back(std::move(ev));
+    notify = notify_;
+  }
+  cv_.notify_all();
+  if (notify) notify();
+}
+
+void generation_stream::cancel() {
+  std::function<void()> c;
+  {
+    std::lock_guard lk(mu_);
+    if (final_pushed_) return;
+    c = canceller_;
+  }
+  if (c) c();
+}
+
+void generation_stream::set_notify(std::function<void()> fn) {
+  std::lock_guard lk(mu_);
+  notify_ = std::move(fn);
+}
+
+bool generation_stream::finished() const {
+  std::lock_guard lk(mu_);
+  return final_taken_;
+}
+
+void generation_stream::set_canceller(std::function<void()> fn, uint64_t id) {
+  std::lock_guard lk(mu_);
+  canceller_ = std::move(fn);
+  id_ = id;
+}
+
+// --- engine_handle -------------------------------------------------------------------------------
+
+struct engine_handle::impl {
+  caf::actor_system_config cfg;
+  std::unique_ptr<caf::actor_system> sys;
+  std::shared_ptr<const engine::model> model;
+  caf::actor scheduler, supervisor;
+  std::atomic<uint64_t> next_id{1};
+  int32_t max_tokens_cap = 0;
+};
+
+std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
+  if (o.n_threads < 1) throw std::invalid_argument("n_threads must be at least 1");
+  if (o.kv_block_size < 1) throw std::invalid_argument("kv_block_size must be at least 1");
+  if (auto err = validate(o.sched); !err.empty()) throw std::invalid_argument(err);
+  auto p = std::make_unique<impl>();
+  p->model = std::shared_ptr<const engine::model>(engine::model::load(o.model_path));
+  const auto& hp = p->model->hparams();
+  engine::kv_shape shape{hp.n_layers, hp.n_kv_heads, hp.head_dim, o.kv_block_size};
+  const int32_t n_dev = o.n_device_blocks > 0 ? o.n_device_blocks : (int32_t)std::max<int64_t>(1, o.max_kv_bytes / shape.block_bytes());
+  const int32_t n_host = o.n_host_blocks > 0 ? o.n_host_blocks : n_dev;
+  scheduler_config sc = o.sched;
+  const int64_t pool_positions = (int64_t)n_dev * o.kv_block_size;
+  const int64_t limit = std::min<int64_t>(hp.n_ctx_train, pool_positions);
+  if (sc.max_model_len == 0 || sc.max_model_len > limit) sc.max_model_len = limit;
+
+  p->cfg.set("scheduler.max-threads", 2);  // message handling only: compute runs on the executor's threads
+  p->sys = std::make_unique<caf::actor_system>(p->cfg);
+  scheduler_config_msg scm{sc, p->model, o.kv_block_size, n_dev, n_host, o.step_timeout_s};
+  p->scheduler = spawn_scheduler(*p->sys, scm);
+  executor_config ec{p->model, o.n_threads, shape, n_dev, n_host};
+  p->supervisor = p->sys->spawn(supervisor_actor, p->scheduler, ec, o.max_restarts, o.restart_window_s);
+  return std::unique_ptr<engine_handle>(new engine_handle(std::move(p)));
+}
+
+engine_handle::engine_handle(std::unique_ptr<impl> p) : impl_(std::move(p)) {}
+
+engine_handle::~engine_handle() {
+  if (!impl_) return;
+  caf::anon_send_exit(impl_->supervisor, caf::exit_reason::user_shutdown);
+  caf::anon_send_exit(impl_->scheduler, caf::exit_reason::user_shutdown);
+  impl_->sys->await_all_actors_done();
+}
+
+std::shared_ptr<generation_stream> engine_handle::submit(generation_params params) {
+  const uint64_t id = impl_->next_id++;
+  auto stream = std::make_shared<generation_stream>((size_t)std::max(0, params.max_tokens) + 2);
+  // The stream's canceller must exist before the actor can push anything, so spawn lazily
+  // through a handle set right after spawn; the actor itself never calls the canceller.
+  auto req = impl_->sys->spawn(request_actor, impl_->scheduler, impl_->model, std::move(params), id, stream);
+  stream->set_canceller([req] { caf::anon_send<caf::message_priority::high>(req, cancel_atom::value); }, id);
+  return stream;
+}
+
+engine_stats engine_handle::stats(std::chrono::milliseconds timeout) {
+  caf::scoped_actor self{*impl_->sys};
+  engine_stats out;
+  bool ok = false;
+  std::string err;
+  self->request<caf::message_priority::high>(impl_->scheduler, timeout, stats_atom::value)
+      .receive([&](stats_reply& r) { out = std::move(r.s); ok = true; }, [&](caf::error& e) { err = self->system().render(e); });
+  if (!ok) throw std::runtime_error("engine stats: " + err);
+  return out;
+}
+
+void engine_handle::inject_executor_fault() { caf::anon_send(impl_->scheduler, fault_atom::value); }
+
+const engine::model& engine_handle::model() const { return *impl_->model; }
+
+}  // namespace troupe::actors

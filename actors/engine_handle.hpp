@@ -1,0 +1,141 @@
+// The in-process serving engine: request, scheduler, executor and supervisor actors behind a
+// plain C++ interface, so net/ and the tests submit generations without knowing CAF.
+//
+//   auto eng = engine_handle::start(opts);              // loads the model, spawns the actors
+//   auto s = eng->submit(params);                        // never blocks
+//   while (auto ev = s->next(std::chrono::seconds(5)))   // tokens, then one final event
+//     ...
+//   s->cancel();                                         // any time; frees its KV within a step
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "actors/scheduler_policy.hpp"
+#include "engine/sampling.hpp"
+
+namespace troupe::engine {
+class model;
+}
+
+namespace troupe::actors {
+
+/// Why a generation ended without finishing. The HTTP layer maps each to a status (one table in
+/// net/): invalid 400, too_long 400, overloaded 429, queue_timeout 503, deadline 408,
+/// cancelled 499 (client gone), unavailable 503, internal 500.
+enum class gen_error : uint8_t { none, invalid, too_long, overloaded, queue_timeout, deadline, cancelled, unavailable, internal };
+const char* to_string(gen_error e);
+
+struct generation_params {
+  std::vector<engine::token_id> prompt;
+  engine::sampling_params sampling;
+  int32_t max_tokens = 16;
+  priority_class cls = priority_class::normal;
+  int32_t priority = 0;
+  double queue_timeout_s = 0;  // 0: the scheduler's default
+  double deadline_s = 0;       // whole-request limit from submit; 0: none
+};
+
+/// One event of a generation's stream: a token, then exactly one final event (done or error).
+struct stream_event {
+  enum class kind : uint8_t { token, done, error };
+  kind type = kind::token;
+  engine::token_id token = -1;
+  std::string text;  // text made complete by this token (valid UTF-8; stop strings removed)
+  float logprob = 0;
+  std::vector<engine::token_logprob> top;
+  // done
+  finish_reason finish = finish_reason::length;
+  int32_t n_prompt = 0, n_generated = 0;
+  // error
+  gen_error error = gen_error::none;
+  std::string message;
+};
+
+/// The client's end of one generation: a bounded, thread-safe queue the request actor fills.
+/// Capacity is max_tokens + 2 events, so it never grows past what the request may produce.
+class generation_stream {
+ public:
+  explicit generation_stream(size_t capacity) : capacity_(capacity) {}
+  /// The next event, or nullopt after `timeout`. After the final event, nullopt at once.
+  std::optional<stream_event> next(std::chrono::milliseconds timeout);
+  /// Stops the generation (client gone); a final error event `cancelled` follows if none came.
+  void cancel();
+  /// Called (from an actor thread) after each push; set before events may arrive, i.e. right
+  /// after submit() only if the caller tolerates a missed first wake-up — prefer next().
+  void set_notify(std::function<void()> fn);
+  bool finished() const;
+  uint64_t id() const { return id_; }
+
+  // Producer side (the request actor).
+  void push(stream_event ev);
+  void set_canceller(std::function<void()> fn, uint64_t id);
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<stream_event> q_;
+  size_t capacity_;
+  bool final_pushed_ = false, final_taken_ = false;
+  std::function<void()> notify_, canceller_;
+  uint64_t id_ = 0;
+};
+
+struct engine_options {
+  std::string model_path;
+  int n_threads = 1;
+  int kv_block_size = 16;
+  int32_t n_device_blocks = 0;  // 0: derived from max_kv_bytes
+  int32_t n_host_blocks = 0;    // swap space; 0: as many as device blocks
+  int64_t max_kv_bytes = 256LL << 20;
+  scheduler_config sched;
+  double step_timeout_s = 120;   // an executor step longer than this counts as a failure
+  int max_restarts = 3;          // executor restarts within restart_window_s before giving up
+  double restart_window_s = 60;
+};
+
+struct engine_stats {
+  scheduler_stats sched;
+  engine::block_manager_stats kv;
+  int32_t n_device_blocks = 0, n_free_device = 0, n_cached = 0, n_host_blocks = 0, n_free_host = 0;
+  size_t n_running = 0, n_waiting = 0;
+  int32_t executor_restarts = 0;
+  bool executor_alive = false, circuit_open = false;
+  std::string invariant_error;  // empty when the scheduler core's check() holds
+};
+
+class engine_handle {
+ public:
+  /// Loads the model and spawns the actors. Throws (gguf_error, std::invalid_argument) on a bad
+  /// model or option.
+  static std::unique_ptr<engine_handle> start(const engine_options& opts);
+  ~engine_handle();  // cancels what is left and stops every actor
+
+  /// Submits a generation. Refusals (invalid, too long, overloaded) arrive as the stream's
+  /// single final error event.
+  std::shared_ptr<generation_stream> submit(generation_params p);
+
+  /// A consistent snapshot from the scheduler (bounded wait; throws std::runtime_error on timeout).
+  engine_stats stats(std::chrono::milliseconds timeout = std::chrono::seconds(5));
+
+  /// Fault injection for tests: the executor throws in the middle of its next step.
+  void inject_executor_fault();
+
+  const engine::model& model() const;
+
+  struct impl;
+
+ private:
+  explicit engine_handle(std::unique_ptr<impl> p);
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace troupe::actors

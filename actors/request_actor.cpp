@@ -1,0 +1,132 @@
+// The request actor: one per generation. Holds the sampling parameters, the deadline and the
+// client's bounded stream; turns tokens into streamed text (valid UTF-8, stop strings cut).
+// It knows nothing of batching. Its end — client cancel, deadline, stop string, final state —
+// is how the scheduler learns to drop the sequence (a high-priority cancel, and its down message).
+#include <random>
+
+#include "actors/runtime.hpp"
+
+namespace troupe::actors {
+
+namespace {
+
+struct request_state {
+  std::shared_ptr<generation_stream> stream;
+  engine::stream_decoder dec;
+  engine::stop_matcher stops;
+  int32_t n_prompt = 0, n_generated = 0;
+  bool logprobs = false;
+  request_state(const engine::tokenizer& tok, std::vector<std::string> stop_strings)
+      : dec(tok, false), stops(std::move(stop_strings)) {}
+};
+
+stream_event error_event(gen_error e, std::string msg) {
+  stream_event ev;
+  ev.type = stream_event::kind::error;
+  ev.error = e;
+  ev.message = std::move(msg);
+  return ev;
+}
+
+gen_error from_admit(admit_error e) {
+  switch (e) {
+    case admit_error::none: return gen_error::none;
+    case admit_error::invalid_request: return gen_error::invalid;
+    case admit_error::duplicate_id: return gen_error::internal;
+    case admit_error::too_long: return gen_error::too_long;
+    case admit_error::queue_full: return gen_error::overloaded;
+    case admit_error::queue_tokens_full: return gen_error::overloaded;
+  }
+  return gen_error::internal;
+}
+
+}  // namespace
+
+caf::behavior request_actor(caf::event_based_actor* self, caf::actor scheduler, std::shared_ptr<const engine::model> model,
+                            generation_params params, uint64_t id, std::shared_ptr<generation_stream> stream) {
+  const engine::tokenizer& tok = model->vocab();
+  auto st = std::make_shared<request_state>(tok, params.sampling.stop);
+  st->stream = stream;
+  st->n_prompt = (int32_t)params.prompt.size();
+  st->logprobs = params.sampling.logprobs || params.sampling.top_logprobs > 0;
+
+  auto finish_with = [=](stream_event ev) {
+    st->stream->push(std::move(ev));
+    self->quit();
+  };
+  auto cancel_and_finish = [=](stream_event ev) {
+    self->send<caf::message_priority::high>(scheduler, cancel_atom::value, id);
+    finish_with(std::move(ev));
+  };
+
+  // Validate what the scheduler cannot: sampling values and token ids.
+  std::string err = params.sampling.validate();
+  for (engine::token_id t : params.prompt)
+    if (err.empty() && (t < 0 || t >= model->hparams().n_vocab))
+      err = "prompt token " + std::to_string(t) + " is outside the vocabulary [0, " + std::to_string(model->hparams().n_vocab) + ")";
+  if (!std::isfinite(params.deadline_s) || params.deadline_s < 0) err = "the deadline must be a finite number of seconds >= 0";
+  if (!err.empty()) {
+    finish_with(error_event(gen_error::invalid, err));
+    return {};
+  }
+
+  request_msg m;
+  m.spec = {id, std::move(params.prompt), params.max_tokens, params.cls, params.priority, params.queue_timeout_s};
+  auto sp = std::make_shared<engine::sampling_params>(params.sampling);
+  if (!sp->has_seed) {  // stateless sampling needs a seed: draw one per request
+    sp->seed = std::random_device{}() * 0x100000001ULL ^ std::random_device{}();
+    sp->has_seed = true;
+  }
+  m.sampling = sp;
+  if (!params.sampling.ignore_eos)
+    for (engine::token_id t : tok.eog_ids()) m.stop_tokens.push_back(t);
+  for (engine::token_id t : params.sampling.stop_tokens) m.stop_tokens.push_back(t);
+
+  self->request(scheduler, caf::infinite, submit_atom::value, std::move(m))
+      .then(
+          [=](const admission& a) {
+            if (!a.ok()) finish_with(error_event(from_admit(a.error), a.message));
+          },
+          [=](caf::error& e) { finish_with(error_event(gen_error::unavailable, "the scheduler is gone: " + self->system().render(e))); });
+
+  if (params.deadline_s > 0)
+    self->delayed_send(self, std::chrono::microseconds((int64_t)(params.deadline_s * 1e6)), deadline_atom::value);
+
+  return {
+      [=](token_atom, uint64_t, const token_event& t) {
+        ++st->n_generated;
+        auto piece = st->stops.push(st->dec.push(t.r.token));
+        stream_event ev;
+        ev.token = t.r.token;
+        ev.text = std::move(piece.text);
+        if (st->logprobs) {
+          ev.logprob = t.r.logprob;
+          ev.top = t.r.top;
+        }
+        st->stream->push(std::move(ev));
+        if (piece.stopped) {
+          stream_event done;
+          done.type = stream_event::kind::done;
+          done.finish = finish_reason::stop;
+          done.n_prompt = st->n_prompt;
+          done.n_generated = st->n_generated;
+          cancel_and_finish(std::move(done));
+        }
+      },
+      [=](finished_atom, uint64_t, finish_reason r, int32_t n_generated) {
+        stream_event done;
+        done.type = stream_event::kind::done;
+        done.finish = r;
+        done.text = st->stops.push(st->dec.flush()).text;
+        done.text += st->stops.flush();
+        done.n_prompt = st->n_prompt;
+        done.n_generated = n_generated;
+        finish_with(std::move(done));
+      },
+      [=](failed_atom, uint64_t, gen_error e, const std::string& why) { finish_with(error_event(e, why)); },
+      [=](cancel_atom) { cancel_and_finish(error_event(gen_error::cancelled, "cancelled by the client")); },
+      [=](deadline_atom) { cancel_and_finish(error_event(gen_error::deadline, "the request deadline passed")); },
+  };
+}
+
+}  // namespace troupe::actors

@@ -1,0 +1,122 @@
+// Internal to actors/: the atoms, message payloads and actor entry points of the runtime.
+// Includes CAF; keep it out of headers that engine/ or net/ include.
+//
+// Mail (every arrow is one message; [h] = sent with high priority):
+//   request  --submit(request_msg)-->           scheduler   replies admission (ok / error)
+//   request  --[h] cancel(seq)-->               scheduler   client gone, deadline, stop string
+//   scheduler --token(seq, token_event)-->      request     one per sampled token
+//   scheduler --finished(seq, reason, n)-->     request
+//   scheduler --failed(seq, gen_error, text)--> request     queue timeout, executor circuit open
+//   scheduler --step(step_work)-->              executor    replies step_output (or error: lost)
+//   supervisor --executor(actor)-->             scheduler   a fresh executor (start and restarts)
+//   supervisor --[h] circuit-->                 scheduler   too many restarts: fail everything
+//   anyone   --[h] stats-->                     scheduler   replies engine_stats
+// The scheduler monitors request actors (a down request = cancel) and treats a failed or timed
+// out step as a lost executor: every sequence is requeued for recompute, none fails.
+#pragma once
+
+#include <caf/all.hpp>
+
+#include <memory>
+#include <vector>
+
+#include "actors/engine_handle.hpp"
+#include "actors/scheduler_policy.hpp"
+#include "engine/model.hpp"
+#include "engine/sampling.hpp"
+
+namespace troupe::actors {
+
+using submit_atom = caf::atom_constant<caf::atom("submit")>;
+using cancel_atom = caf::atom_constant<caf::atom("cancel")>;
+using token_atom = caf::atom_constant<caf::atom("token")>;
+using finished_atom = caf::atom_constant<caf::atom("finished")>;
+using failed_atom = caf::atom_constant<caf::atom("failed")>;
+using step_atom = caf::atom_constant<caf::atom("step")>;
+using executor_atom = caf::atom_constant<caf::atom("executor")>;
+using circuit_atom = caf::atom_constant<caf::atom("circuit")>;
+using stats_atom = caf::atom_constant<caf::atom("stats")>;
+using tick_atom = caf::atom_constant<caf::atom("tick")>;
+using fault_atom = caf::atom_constant<caf::atom("fault")>;
+using deadline_atom = caf::atom_constant<caf::atom("deadline")>;
+
+/// What a request actor submits: the scheduler's spec plus what the executor needs to sample.
+struct request_msg {
+  request_spec spec;
+  std::shared_ptr<const engine::sampling_params> sampling;
+  std::vector<engine::token_id> stop_tokens;  // end-of-generation ids (empty with ignore_eos) + the request's
+};
+
+/// How to sample one sequence's next token in a step. Sampling is stateless across steps: the
+/// draw uses seed mixed with the index of the token drawn, so a recomputed or restarted
+/// sequence draws exactly what it would have drawn.
+struct sample_spec {
+  uint64_t seq = 0;
+  std::shared_ptr<const engine::sampling_params> params;
+  uint64_t draw_index = 0;
+  std::vector<engine::token_id> history;  // for penalties (empty when none are active)
+};
+
+struct step_work {
+  uint64_t step = 0;
+  std::vector<engine::block_copy> copies;  // in order, before the forward
+  std::vector<batch_entry> batch;
+  std::vector<sample_spec> sampling;       // one per batch entry with need_logits, in order
+  bool inject_fault = false;
+};
+
+struct sampled {
+  uint64_t seq = 0;
+  engine::sample_result r;
+};
+
+struct step_output {
+  uint64_t step = 0;
+  std::vector<sampled> tokens;
+  double compute_s = 0;
+};
+
+struct token_event {
+  engine::sample_result r;
+};
+
+struct executor_config {
+  std::shared_ptr<const engine::model> model;
+  int n_threads = 1;
+  engine::kv_shape kv;
+  int32_t n_device_blocks = 0, n_host_blocks = 0;
+};
+
+/// Payload of the shared stats reply.
+struct stats_reply {
+  engine_stats s;
+};
+
+caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg);
+
+struct scheduler_config_msg {
+  scheduler_config sched;
+  std::shared_ptr<const engine::model> model;
+  int kv_block_size = 16;
+  int32_t n_device_blocks = 0, n_host_blocks = 0;
+  double step_timeout_s = 120;
+};
+/// Spawns the scheduler actor of one model.
+caf::actor spawn_scheduler(caf::actor_system& sys, scheduler_config_msg cfg);
+
+caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor scheduler, executor_config cfg, int max_restarts,
+                               double window_s);
+
+caf::behavior request_actor(caf::event_based_actor* self, caf::actor scheduler, std::shared_ptr<const engine::model> model,
+                            generation_params params, uint64_t id, std::shared_ptr<generation_stream> stream);
+
+}  // namespace troupe::actors
+
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::request_msg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::step_work)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::step_output)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::token_event)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::stats_reply)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::admission)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::finish_reason)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::gen_error)

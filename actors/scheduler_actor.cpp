@@ -1,0 +1,241 @@
+// The scheduler actor: one per served model. Wraps scheduler_core (queues, running set, block
+// manager, the per-step plan) and drives the executor one step at a time; talks to request
+// actors for tokens and final states. All of its state is touched only by its own handlers.
+#include <chrono>
+#include <unordered_map>
+
+#include "actors/runtime.hpp"
+
+namespace troupe::actors {
+
+struct scheduler_state {
+  struct seq_entry {
+    caf::actor request;
+    std::shared_ptr<const engine::sampling_params> sampling;
+    std::vector<engine::token_id> stop_tokens;
+    bool penalties = false;
+  };
+  std::unique_ptr<engine::block_manager> kv;
+  std::unique_ptr<scheduler_core> core;
+  std::shared_ptr<const engine::model> model;
+  caf::actor executor;
+  uint64_t epoch = 0;  // bumped per executor: replies from an earlier one are ignored
+  int32_t n_executors = 0;
+  bool in_flight = false, circuit_open = false, tick_pending = false, fault_next = false;
+  std::unordered_map<uint64_t, seq_entry> seqs;
+  std::unordered_map<caf::actor_addr, uint64_t> by_addr;
+  std::vector<engine::block_copy> carry;  // copies of plans that had no batch, run with the next step
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  double step_timeout_s = 120;
+
+  double now() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
+};
+
+namespace {
+
+using self_ptr = caf::stateful_actor<scheduler_state>*;
+
+void forget(self_ptr self, uint64_t id) {
+  auto& st = self->state;
+  auto it = st.seqs.find(id);
+  if (it == st.seqs.end()) return;
+  st.by_addr.erase(it->second.request.address());
+  self->demonitor(it->second.request);
+  st.seqs.erase(it);
+}
+
+void executor_lost(self_ptr self) {
+  auto& st = self->state;
+  st.in_flight = false;
+  st.carry.clear();
+  st.core->on_executor_lost(st.now());
+}
+
+void maybe_step(self_ptr self);
+
+void on_output(self_ptr self, const step_output& out) {
+  auto& st = self->state;
+  std::vector<token_result> results;
+  results.reserve(out.tokens.size());
+  for (const sampled& s : out.tokens) {
+    auto it = st.seqs.find(s.seq);
+    if (it == st.seqs.end()) continue;  // cancelled while the step ran
+    bool stop = false;
+    for (engine::token_id t : it->second.stop_tokens) stop |= t == s.r.token;
+    results.push_back({s.seq, s.r.token, stop});
+    if (!stop) self->send(it->second.request, token_atom::value, s.seq, token_event{s.r});
+  }
+  for (const finished_seq& f : st.core->on_step_done(results, st.now())) {
+    auto it = st.seqs.find(f.seq);
+    if (it == st.seqs.end()) continue;
+    self->send(it->second.request, finished_atom::value, f.seq, f.reason, (int32_t)f.generated.size());
+    forget(self, f.seq);
+  }
+}
+
+void fail_all(self_ptr self, gen_error e, const std::string& why) {
+  auto& st = self->state;
+  for (auto& [id, entry] : st.seqs) {
+    st.core->cancel(id);
+    self->send(entry.request, failed_atom::value, id, e, why);
+    self->demonitor(entry.request);
+  }
+  st.seqs.clear();
+  st.by_addr.clear();
+}
+
+void schedule_tick(self_ptr self) {
+  auto& st = self->state;
+  if (st.tick_pending) return;
+  st.tick_pending = true;
+  self->delayed_send(self, std::chrono::milliseconds(10), tick_atom::value);
+}
+
+void maybe_step(self_ptr self) {
+  auto& st = self->state;
+  if (st.in_flight || !st.executor || st.circuit_open) return;
+  step_plan plan = st.core->schedule(st.now());
+  for (const failure_event& f : plan.failed) {
+    auto it = st.seqs.find(f.seq);
+    if (it == st.seqs.end()) continue;
+    self->send(it->second.request, failed_atom::value, f.seq, gen_error::queue_timeout, f.message);
+    forget(self, f.seq);
+  }
+  st.carry.insert(st.carry.end(), plan.copies.begin(), plan.copies.end());
+  if (plan.batch.empty()) {
+    if (st.core->n_waiting() > 0) schedule_tick(self);  // queue timeouts, blocked admissions
+    return;
+  }
+  step_work w;
+  w.step = plan.step;
+  w.copies = std::move(st.carry);
+  st.carry.clear();
+  for (const batch_entry& e : plan.batch) {
+    if (!e.need_logits) continue;
+    const auto& entry = st.seqs.at(e.seq);
+    const auto info = st.core->find(e.seq);
+    sample_spec sp{e.seq, entry.sampling, (uint64_t)info->n_generated, {}};
+    if (entry.penalties) sp.history.assign(info->tokens.begin(), info->tokens.end());
+    w.sampling.push_back(std::move(sp));
+  }
+  w.batch = std::move(plan.batch);
+  w.inject_fault = std::exchange(st.fault_next, false);
+  st.in_flight = true;
+  const uint64_t epoch = st.epoch;
+  const auto timeout = std::chrono::milliseconds((int64_t)(st.step_timeout_s * 1000));
+  self->request(st.executor, timeout, step_atom::value, std::move(w))
+      .then(
+          [=](step_output& out) {
+            if (self->state.epoch != epoch) return;
+            self->state.in_flight = false;
+            on_output(self, out);
+            maybe_step(self);
+          },
+          [=](caf::error& err) {
+            auto& s = self->state;
+            if (s.epoch != epoch) return;
+            // The executor failed or hung: its KV is gone. Kill it (the supervisor restarts it)
+            // and requeue every sequence for recompute.
+            self->send_exit(s.executor, caf::exit_reason::kill);
+            self->demonitor(s.executor);
+            s.executor = nullptr;
+            ++s.epoch;
+            executor_lost(self);
+          });
+}
+
+}  // namespace
+
+namespace {
+caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
+  auto& st = self->state;
+  st.model = cfg.model;
+  st.step_timeout_s = cfg.step_timeout_s;
+  st.kv = std::make_unique<engine::block_manager>(cfg.kv_block_size, cfg.n_device_blocks, cfg.n_host_blocks);
+  st.core = std::make_unique<scheduler_core>(cfg.sched, *st.kv);
+  self->set_down_handler([=](caf::down_msg& dm) {
+    auto& s = self->state;
+    if (s.executor && dm.source == s.executor.address()) {
+      s.executor = nullptr;
+      ++s.epoch;
+      executor_lost(self);
+      return;
+    }
+    auto it = s.by_addr.find(dm.source);
+    if (it == s.by_addr.end()) return;
+    const uint64_t id = it->second;
+    s.core->cancel(id);  // the client went away, or its deadline passed
+    s.seqs.erase(id);
+    s.by_addr.erase(it);
+    maybe_step(self);
+  });
+  return {
+      [=](submit_atom, request_msg& m) -> admission {
+        auto& s = self->state;
+        if (s.circuit_open) return {admit_error::queue_full, "the model is unavailable: its executor failed repeatedly"};
+        const uint64_t id = m.spec.id;
+        admission a = s.core->add(std::move(m.spec), s.now());
+        if (!a.ok()) return a;
+        auto req = caf::actor_cast<caf::actor>(self->current_sender());
+        const auto& p = *m.sampling;
+        const bool penalties = p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f;
+        s.seqs[id] = {req, m.sampling, std::move(m.stop_tokens), penalties};
+        s.by_addr[req.address()] = id;
+        self->monitor(req);
+        maybe_step(self);
+        return a;
+      },
+      [=](cancel_atom, uint64_t id) {
+        auto& s = self->state;
+        s.core->cancel(id);
+        forget(self, id);
+        maybe_step(self);
+      },
+      [=](executor_atom, caf::actor& e) {
+        auto& s = self->state;
+        if (s.executor) {  // a replacement while one is believed alive: the old one is gone
+          self->demonitor(s.executor);
+          executor_lost(self);
+        }
+        ++s.epoch;
+        ++s.n_executors;
+        s.executor = e;
+        self->monitor(e);
+        maybe_step(self);
+      },
+      [=](circuit_atom) {
+        auto& s = self->state;
+        s.circuit_open = true;
+        fail_all(self, gen_error::unavailable, "the model is unavailable: its executor failed repeatedly");
+      },
+      [=](fault_atom) { self->state.fault_next = true; },
+      [=](tick_atom) {
+        self->state.tick_pending = false;
+        maybe_step(self);
+      },
+      [=](stats_atom) -> stats_reply {
+        auto& s = self->state;
+        stats_reply r;
+        r.s.sched = s.core->stats();
+        r.s.kv = s.kv->stats();
+        r.s.n_device_blocks = s.kv->n_device();
+        r.s.n_free_device = s.kv->n_free_device();
+        r.s.n_cached = s.kv->n_cached();
+        r.s.n_host_blocks = s.kv->n_host();
+        r.s.n_free_host = s.kv->n_free_host();
+        r.s.n_running = s.core->n_running();
+        r.s.n_waiting = s.core->n_waiting();
+        r.s.executor_restarts = s.n_executors > 0 ? s.n_executors - 1 : 0;
+        r.s.executor_alive = (bool)s.executor;
+        r.s.circuit_open = s.circuit_open;
+        r.s.invariant_error = s.core->check();
+        return r;
+      },
+  };
+}
+
+}  // namespace
+
+caf::actor spawn_scheduler(caf::actor_system& sys, scheduler_config_msg cfg) { return sys.spawn(scheduler_actor, std::move(cfg)); }
+
+}  // namespace troupe::actors

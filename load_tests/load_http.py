@@ -1,0 +1,139 @@
+"""A minimal HTTP/1.1 client over asyncio streams for the load driver (standard library only).
+
+Keep-alive connections, chunked / Content-Length / close-delimited bodies yielded as they arrive,
+and a loopback-only target check.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import socket
+from dataclasses import dataclass
+from typing import Optional
+from urllib.parse import urlsplit
+
+MAX_HEADER_BYTES = 64 * 1024      # a response whose headers exceed this is an error
+STREAM_LIMIT = 1 << 20            # asyncio.StreamReader line limit
+
+
+@dataclass(frozen=True)
+class Target:
+    """A loopback HTTP endpoint (scheme http only)."""
+    host: str
+    port: int
+
+    @staticmethod
+    def parse(url: str) -> "Target":
+        parts = urlsplit(url if "://" in url else "http://" + url)
+        if parts.scheme != "http":
+            raise ValueError(f"only http:// targets are supported, got {url!r}")
+        host = parts.hostname or ""
+        port = parts.port or 80
+        if not _is_loopback(host):
+            raise ValueError(f"target {host!r} is not a loopback address; only 127.0.0.0/8, ::1 "
+                             "and localhost may be load-tested")
+        return Target(host, port)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback
+                               for i in infos)
+
+
+class HttpError(Exception):
+    pass
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection; reopened transparently when the server closes it."""
+
+    def __init__(self, target: Target):
+        self.target = target
+        self.reader: Optional[asyncio.StreamReader] = None
+        self.writer: Optional[asyncio.StreamWriter] = None
+
+    async def ensure_open(self) -> None:
+        if self.writer is None or self.writer.is_closing():
+            self.reader, self.writer = await asyncio.open_connection(
+                self.target.host, self.target.port, limit=STREAM_LIMIT)
+            sock = self.writer.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+    async def send(self, method: str, path: str, body: bytes, accept: str) -> None:
+        await self.ensure_open()
+        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.target.host}:{self.target.port}\r\n"
+                f"Content-Type: application/json\r\nAccept: {accept}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n\r\n")
+        self.writer.write(head.encode("ascii") + body)
+        await self.writer.drain()
+
+    async def read_head(self) -> tuple[int, dict[str, str]]:
+        status_line = await self.reader.readline()
+        if not status_line:
+            raise HttpError("connection closed before the response")
+        parts = status_line.decode("latin-1").split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+            raise HttpError(f"malformed status line {status_line[:80]!r}")
+        headers: dict[str, str] = {}
+        n_bytes = len(status_line)
+        while True:
+            line = await self.reader.readline()
+            n_bytes += len(line)
+            if n_bytes > MAX_HEADER_BYTES:
+                raise HttpError("response headers too large")
+            if line in (b"\r\n", b"\n", b""):
+                break
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return int(parts[1]), headers
+
+    async def body_chunks(self, headers: dict[str, str]):
+        """Yields the body as it arrives (dechunked); leaves the connection reusable or closed."""
+        keep = headers.get("connection", "").lower() != "close"
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            while True:
+                size_line = await self.reader.readline()
+                try:
+                    size = int(size_line.split(b";", 1)[0].strip(), 16)
+                except ValueError:
+                    raise HttpError(f"bad chunk size line {size_line[:40]!r}") from None
+                if size == 0:
+                    while (await self.reader.readline()) not in (b"\r\n", b"\n", b""):
+                        pass  # trailers
+                    break
+                data = await self.reader.readexactly(size)
+                await self.reader.readexactly(2)
+                yield data
+        elif "content-length" in headers:
+            left = int(headers["content-length"])
+            while left > 0:
+                data = await self.reader.read(min(left, 65536))
+                if not data:
+                    raise HttpError("connection closed inside the body")
+                left -= len(data)
+                yield data
+        else:
+            keep = False
+            while data := await self.reader.read(65536):
+                yield data
+        if not keep:
+            self.close()
+
+    async def call(self, method: str, path: str, payload: Optional[dict]) -> tuple[int, bytes]:
+        """A plain request; returns (status, whole body)."""
+        body = b"" if payload is None else json.dumps(payload).encode()
+        await self.send(method, path, body, "application/json")
+        status, headers = await self.read_head()
+        chunks = [c async for c in self.body_chunks(headers)]
+        return status, b"".join(chunks)

@@ -1,0 +1,260 @@
+// The actor runtime with the real default model, through the in-process engine handle: outputs
+// must equal the plain engine's (tests/engine_batch.test.cpp checks that one against references)
+// under concurrency, preemption, prefix reuse, cancellation and executor faults; every test ends
+// with the scheduler's invariants holding and every KV pool back to full.
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <thread>
+
+#include "actors/engine_handle.hpp"
+#include "engine/generator.hpp"
+
+using namespace troupe;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::string model_path() { return (std::filesystem::path(TROUPE_SOURCE_DIR) / "models" / "default.gguf").string(); }
+
+const engine::model& plain_model() {
+  static auto m = engine::model::load(model_path());
+  return *m;
+}
+
+std::vector<engine::token_id> tokens(const std::string& text) { return plain_model().vocab().encode(text, true, false); }
+
+actors::generation_params greedy(const std::string& text, int n) {
+  actors::generation_params p;
+  p.prompt = tokens(text);
+  p.sampling.temperature = 0;
+  p.sampling.ignore_eos = true;
+  p.max_tokens = n;
+  return p;
+}
+
+// Reference: the plain engine, one sequence at a time.
+std::vector<engine::token_id> alone(const actors::generation_params& p) {
+  engine::generator g(plain_model(), {2, 512, 16, 512});
+  engine::generation_request r{p.prompt, p.sampling, p.max_tokens};
+  return g.run(std::span(&r, 1))[0].tokens;
+}
+
+struct outcome {
+  std::vector<engine::token_id> tokens;
+  std::string text;
+  actors::stream_event final;
+};
+
+outcome drain(actors::generation_stream& s, std::chrono::milliseconds limit = 120s) {
+  outcome o;
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < until) {
+    auto ev = s.next(1s);
+    if (!ev) continue;
+    if (ev->type == actors::stream_event::kind::token) {
+      o.tokens.push_back(ev->token);
+      o.text += ev->text;
+      continue;
+    }
+    o.text += ev->text;
+    o.final = *ev;
+    return o;
+  }
+  FAIL("stream did not finish within the limit");
+  return o;
+}
+
+// Every pool back to full once nothing runs (cached prefix blocks count as available).
+void require_no_leak(actors::engine_handle& eng) {
+  actors::engine_stats s;
+  for (int i = 0; i < 200; ++i) {  // the last cancel may still be in the scheduler's mailbox
+    s = eng.stats();
+    if (s.n_running == 0 && s.n_waiting == 0 && s.n_free_device + s.n_cached == s.n_device_blocks) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  INFO(s.invariant_error);
+  REQUIRE(s.invariant_error.empty());
+  REQUIRE(s.n_running == 0);
+  REQUIRE(s.n_waiting == 0);
+  REQUIRE(s.n_free_device + s.n_cached == s.n_device_blocks);
+  REQUIRE(s.n_free_host == s.n_host_blocks);
+}
+
+actors::engine_options options() {
+  actors::engine_options o;
+  o.model_path = model_path();
+  o.n_threads = 2;
+  o.n_device_blocks = 256;
+  o.n_host_blocks = 256;
+  return o;
+}
+
+const std::vector<std::string> prompts = {
+    "The capital of France is",
+    "Once upon a time, in a small village at the edge of a great forest, there lived",
+    "def fibonacci(n):",
+    "1, 2, 3, 4,",
+    "The three primary colors are",
+    "Water boils at",
+    "Here is a short poem about the sea:",
+    "To make a cup of tea, first",
+};
+
+}  // namespace
+
+TEST_CASE("16 concurrent greedy requests give the outputs each gives alone", "[actors][model]") {
+  std::vector<actors::generation_params> ps;
+  for (int i = 0; i < 16; ++i) ps.push_back(greedy(prompts[i % prompts.size()] + std::string(i / 8, '!'), 12 + i % 5));
+  std::vector<std::vector<engine::token_id>> ref;
+  for (const auto& p : ps) ref.push_back(alone(p));
+
+  auto eng = actors::engine_handle::start(options());
+  std::vector<std::shared_ptr<actors::generation_stream>> ss;
+  for (const auto& p : ps) ss.push_back(eng->submit(p));
+  for (size_t i = 0; i < ss.size(); ++i) {
+    auto o = drain(*ss[i]);
+    REQUIRE(o.final.type == actors::stream_event::kind::done);
+    CHECK(o.final.finish == actors::finish_reason::length);
+    CHECK(o.final.n_generated == ps[i].max_tokens);
+    CHECK(o.tokens == ref[i]);
+    CHECK(o.text == plain_model().vocab().decode(ref[i], false));
+  }
+  require_no_leak(*eng);
+}
+
+TEST_CASE("a tiny KV pool forces preemption and the outputs stay identical", "[actors][model]") {
+  std::vector<actors::generation_params> ps;
+  for (int i = 0; i < 6; ++i) ps.push_back(greedy(prompts[i], 24));
+  std::vector<std::vector<engine::token_id>> ref;
+  for (const auto& p : ps) ref.push_back(alone(p));
+
+  for (auto mode : {actors::preemption_mode::swap, actors::preemption_mode::recompute}) {
+    DYNAMIC_SECTION("mode " << actors::to_string(mode)) {
+      auto o = options();
+      o.n_device_blocks = 9;  // 144 positions for six sequences of up to ~45: someone must yield
+      o.n_host_blocks = 64;
+      o.sched.preemption = mode;
+      o.sched.kv_watermark_blocks = 0;
+      auto eng = actors::engine_handle::start(o);
+      std::vector<std::shared_ptr<actors::generation_stream>> ss;
+      for (const auto& p : ps) ss.push_back(eng->submit(p));
+      for (size_t i = 0; i < ss.size(); ++i) {
+        auto out = drain(*ss[i]);
+        REQUIRE(out.final.type == actors::stream_event::kind::done);
+        CHECK(out.tokens == ref[i]);
+      }
+      const auto st = eng->stats();
+      if (mode == actors::preemption_mode::swap) CHECK(st.sched.n_preempted_swap > 0);
+      else CHECK(st.sched.n_preempted_recompute > 0);
+      require_no_leak(*eng);
+    }
+  }
+}
+
+TEST_CASE("cancel mid-stream frees every block", "[actors][model]") {
+  auto eng = actors::engine_handle::start(options());
+  auto s = eng->submit(greedy(prompts[1], 400));
+  for (int got = 0; got < 3;) {
+    auto ev = s->next(30s);
+    REQUIRE(ev);
+    REQUIRE(ev->type == actors::stream_event::kind::token);
+    ++got;
+  }
+  s->cancel();
+  auto o = drain(*s);
+  CHECK(o.final.type == actors::stream_event::kind::error);
+  CHECK(o.final.error == actors::gen_error::cancelled);
+  require_no_leak(*eng);
+  CHECK(eng->stats().sched.n_cancelled == 1);
+}
+
+TEST_CASE("a shared system prompt is computed once and outputs are unchanged", "[actors][model]") {
+  const std::string sys = "You are a helpful assistant who answers briefly and precisely, with facts only. "
+                          "Always answer in English, in one sentence, and never ask a question back. "
+                          "Prefer plain words to jargon, give numbers with their units, and say so when unsure. ";
+  std::vector<actors::generation_params> ps;
+  for (int i = 0; i < 4; ++i) ps.push_back(greedy(sys + prompts[i], 10));
+  std::vector<std::vector<engine::token_id>> ref;
+  for (const auto& p : ps) ref.push_back(alone(p));
+  auto eng = actors::engine_handle::start(options());
+  // The first one alone warms the cache; the rest hit it.
+  CHECK(drain(*eng->submit(ps[0])).tokens == ref[0]);
+  std::vector<std::shared_ptr<actors::generation_stream>> ss;
+  for (size_t i = 1; i < ps.size(); ++i) ss.push_back(eng->submit(ps[i]));
+  for (size_t i = 1; i < ps.size(); ++i) CHECK(drain(*ss[i - 1]).tokens == ref[i]);
+  // Each later request reuses the full blocks of its common prefix with the first one.
+  int64_t expect = 0;
+  for (size_t i = 1; i < ps.size(); ++i) {
+    size_t n = 0;
+    while (n < ps[0].prompt.size() && n < ps[i].prompt.size() && ps[0].prompt[n] == ps[i].prompt[n]) ++n;
+    expect += (int64_t)(n / 16) * 16;
+  }
+  REQUIRE(expect >= 3 * 32);
+  const auto st = eng->stats();
+  CHECK(st.kv.n_hit_tokens >= expect);
+  require_no_leak(*eng);
+}
+
+TEST_CASE("queue timeout and admission refusal give their reasons", "[actors][model]") {
+  auto o = options();
+  o.sched.max_num_seqs = 1;
+  o.sched.max_waiting = 2;
+  auto eng = actors::engine_handle::start(o);
+  auto running = eng->submit(greedy(prompts[0], 60));
+  REQUIRE(running->next(30s));  // it runs
+  auto p = greedy(prompts[2], 4);
+  p.queue_timeout_s = 0.05;
+  auto timed_out = eng->submit(p);
+  auto waiting = eng->submit(greedy(prompts[3], 4));
+  for (int i = 0; i < 500 && eng->stats().n_waiting < 2; ++i) std::this_thread::sleep_for(1ms);
+  auto refused = eng->submit(greedy(prompts[4], 4));
+  auto r = drain(*refused);
+  CHECK(r.final.error == actors::gen_error::overloaded);
+  CHECK_THAT(r.final.message, Catch::Contains("waiting (limit 2)"));
+  auto t = drain(*timed_out);
+  CHECK(t.final.error == actors::gen_error::queue_timeout);
+  CHECK_THAT(t.final.message, Catch::Contains("limit"));
+  CHECK(drain(*waiting).final.type == actors::stream_event::kind::done);
+  CHECK(drain(*running).final.type == actors::stream_event::kind::done);
+  require_no_leak(*eng);
+}
+
+TEST_CASE("invalid requests and deadlines end with a clear error", "[actors][model]") {
+  auto eng = actors::engine_handle::start(options());
+  auto p = greedy(prompts[0], 4);
+  p.sampling.top_p = 0;
+  CHECK(drain(*eng->submit(p)).final.error == actors::gen_error::invalid);
+  p = greedy(prompts[0], 4);
+  p.prompt.push_back(1 << 24);
+  CHECK_THAT(drain(*eng->submit(p)).final.message, Catch::Contains("outside the vocabulary"));
+  p = greedy(prompts[0], 100000);
+  CHECK(drain(*eng->submit(p)).final.error == actors::gen_error::too_long);
+  p = greedy(prompts[0], 2000);
+  p.deadline_s = 0.2;
+  CHECK(drain(*eng->submit(p)).final.error == actors::gen_error::deadline);
+  require_no_leak(*eng);
+}
+
+TEST_CASE("an executor killed mid-batch is restarted and every output is unchanged", "[actors][model][fault]") {
+  std::vector<actors::generation_params> ps;
+  for (int i = 0; i < 8; ++i) ps.push_back(greedy(prompts[i], 16));
+  std::vector<std::vector<engine::token_id>> ref;
+  for (const auto& p : ps) ref.push_back(alone(p));
+  auto eng = actors::engine_handle::start(options());
+  std::vector<std::shared_ptr<actors::generation_stream>> ss;
+  for (const auto& p : ps) ss.push_back(eng->submit(p));
+  REQUIRE(ss[0]->next(30s));  // mid-generation
+  eng->inject_executor_fault();
+  for (size_t i = 0; i < ss.size(); ++i) {
+    auto o = drain(*ss[i]);
+    REQUIRE(o.final.type == actors::stream_event::kind::done);
+    std::vector<engine::token_id> got = o.tokens;
+    if (i == 0) got.insert(got.begin(), ref[0][0]);  // its first token was taken above
+    CHECK(got == ref[i]);
+  }
+  const auto st = eng->stats();
+  CHECK(st.executor_restarts == 1);
+  CHECK(st.executor_alive);
+  require_no_leak(*eng);
+}
