@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import load_driver  # noqa: E402
-from load_http import Target  # noqa: E402
+from load_http import ChunkedDecoder, HttpError, Target  # noqa: E402
 from load_prompts import parse_mix  # noqa: E402
 
 FIRST_DELAY_S = 0.05
@@ -219,3 +219,27 @@ def test_parse_mix():
     for bad in ("", "64", "64:", "a:b", "0:5", "5:-1"):
         with pytest.raises(ValueError):
             parse_mix(bad)
+
+
+def encode_chunked(parts: list[bytes], trailer: bytes = b"") -> bytes:
+    out = b"".join(b"%X;ext=1\r\n%s\r\n" % (len(p), p) for p in parts)
+    return out + b"0\r\n" + trailer + b"\r\n"
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+@pytest.mark.parametrize("trailer", [b"", b"X-Checksum: 1\r\n"])
+def test_chunked_decoder_any_split(step, trailer):
+    parts = [b"data: a\n\n", b"x" * 300, b"\r\n\r\n", b"z"]
+    wire = encode_chunked(parts, trailer)
+    d = ChunkedDecoder()
+    got = b"".join(d.feed(wire[i:i + step]) for i in range(0, len(wire), step))
+    assert got == b"".join(parts) and d.done and not d.extra
+
+
+def test_chunked_decoder_bad_input():
+    for wire in (b"zz\r\nabc\r\n", b"3\r\nabcXY", b"-3\r\nabc\r\n", b"1" * 2000):
+        with pytest.raises(HttpError):
+            ChunkedDecoder().feed(wire)
+    d = ChunkedDecoder()
+    d.feed(encode_chunked([b"ab"]) + b"HTTP/1.1 200 OK")
+    assert d.done and d.extra

@@ -12,6 +12,7 @@
 #include "kernels/matmul.hpp"
 #include "kernels/thread_pool.hpp"
 #include "net/cli.hpp"
+#include "net/cli_load.hpp"
 
 namespace troupe::cli {
 
@@ -20,6 +21,7 @@ namespace {
 struct bench_opts {
   config::engine_config engine;
   int prompt_len = 512, gen_len = 128, batch = 1, reps = 3;
+  int concurrency = 0, requests = 0;
   bool json = false;
 };
 
@@ -31,6 +33,14 @@ double median(std::vector<double> v) {
 }
 
 int run_bench(bench_opts& o) {
+  if (o.concurrency > 0) {
+#ifdef TROUPE_HAVE_ACTORS
+    load_opts l{o.engine, o.concurrency, o.requests > 0 ? o.requests : 4 * o.concurrency, o.prompt_len, o.gen_len, o.json};
+    return run_load_bench(l);
+#else
+    throw std::runtime_error("--concurrency needs the actor runtime: this build has no CAF (TROUPE_SERVICE=OFF)");
+#endif
+  }
   if (o.prompt_len < 1 || o.gen_len < 0 || o.batch < 1 || o.reps < 1)
     throw std::runtime_error("--prompt-len and --batch must be >= 1, --gen-len >= 0, --reps >= 1");
   auto m = load_model(o.engine);
@@ -109,6 +119,9 @@ action add_bench(CLI::App& app) {
   cmd->add_option("--batch", o->batch, "sequences decoded together")->capture_default_str();
   cmd->add_option("--reps", o->reps, "measured repetitions (median reported; one warm-up first)")->capture_default_str();
   cmd->add_flag("--json", o->json, "one JSON line");
+  cmd->add_option("--concurrency", o->concurrency,
+                  "serving benchmark: N concurrent closed-loop streams through the actor runtime (0: engine only)");
+  cmd->add_option("--requests", o->requests, "requests in the serving benchmark (default 4 x concurrency)");
   return [o] { return run_bench(*o); };
 }
 

@@ -1,0 +1,145 @@
+// `troupe bench --concurrency N`: the serving runtime under a closed-loop load of N concurrent
+// streams through the in-process engine handle (actors, continuous batching): aggregate decode
+// tokens/s and TTFT / inter-token / end-to-end latency percentiles, next to the memory-bound
+// roofline of a step at the batch size reached.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "actors/engine_handle.hpp"
+#include "engine/model.hpp"
+#include "net/cli.hpp"
+#include "net/cli_load.hpp"
+
+namespace troupe::cli {
+
+namespace {
+
+using clk = std::chrono::steady_clock;
+
+double pct(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, (size_t)(p / 100.0 * (double)v.size()));
+  return v[i];
+}
+
+double copy_bandwidth_gbs() {  // read + write bytes of a large memcpy, best of 5
+  const size_t n = 256u << 20;
+  std::vector<char> a(n, 1), b(n);
+  double best = 0;
+  for (int i = 0; i < 5; ++i) {
+    const auto t0 = clk::now();
+    std::memcpy(b.data(), a.data(), n);
+    const double s = std::chrono::duration<double>(clk::now() - t0).count();
+    best = std::max(best, 2.0 * (double)n / s / 1e9);
+  }
+  return best + (double)b[n / 2] * 0;  // keep b alive
+}
+
+}  // namespace
+
+int run_load_bench(const load_opts& o) {
+  if (o.concurrency < 1 || o.requests < 1 || o.prompt_len < 1 || o.gen_len < 1)
+    throw std::runtime_error("--concurrency, --requests, --prompt-len and --gen-len must be >= 1");
+  config::engine_config ec = o.engine;
+  auto probe = load_model(ec);  // validates the config, resolves the default model
+  actors::engine_options eo;
+  eo.model_path = ec.model_path;
+  eo.n_threads = ec.n_threads;
+  eo.kv_block_size = ec.kv_block_size;
+  const int32_t per_seq = engine::kv_blocks_for((int64_t)o.prompt_len + o.gen_len, ec.kv_block_size) + 1;
+  eo.n_device_blocks = per_seq * o.concurrency;
+  eo.n_host_blocks = per_seq * o.concurrency;
+  eo.sched.max_num_seqs = std::max(o.concurrency, 1);
+  eo.sched.max_batched_tokens = ec.n_batch;
+  const int n_vocab = probe->vocab().n_vocab();
+  const size_t weight_bytes = probe->weight_bytes_per_token();
+  probe.reset();
+  auto eng = actors::engine_handle::start(eo);
+
+  struct record {
+    double ttft = 0, e2e = 0;
+    std::vector<double> itl;
+    int n = 0;
+    bool ok = false;
+  };
+  std::vector<record> recs((size_t)o.requests);
+  std::atomic<int> next{0};
+  const auto t0 = clk::now();
+  auto client = [&](int cid) {
+    std::mt19937 rng(1000 + cid);
+    std::uniform_int_distribution<int> pick(100, n_vocab - 1);
+    for (int r; (r = next++) < o.requests;) {
+      actors::generation_params p;
+      for (int i = 0; i < o.prompt_len; ++i) p.prompt.push_back(pick(rng));
+      p.sampling.temperature = 0;
+      p.sampling.ignore_eos = true;
+      p.max_tokens = o.gen_len;
+      const auto ts = clk::now();
+      auto s = eng->submit(std::move(p));
+      record& rec = recs[(size_t)r];
+      auto last = ts;
+      for (;;) {
+        auto ev = s->next(std::chrono::seconds(300));
+        if (!ev) break;
+        const auto now = clk::now();
+        if (ev->type != actors::stream_event::kind::token) {
+          rec.ok = ev->type == actors::stream_event::kind::done;
+          break;
+        }
+        if (rec.n == 0) rec.ttft = std::chrono::duration<double>(now - ts).count();
+        else rec.itl.push_back(std::chrono::duration<double>(now - last).count());
+        last = now;
+        ++rec.n;
+      }
+      rec.e2e = std::chrono::duration<double>(clk::now() - ts).count();
+    }
+  };
+  std::vector<std::thread> ths;
+  for (int c = 0; c < o.concurrency; ++c) ths.emplace_back(client, c);
+  for (auto& t : ths) t.join();
+  const double wall = std::chrono::duration<double>(clk::now() - t0).count();
+
+  std::vector<double> ttft, itl, e2e;
+  int64_t n_tok = 0, n_ok = 0;
+  for (const auto& r : recs) {
+    n_tok += r.n;
+    n_ok += r.ok;
+    if (r.n > 0) ttft.push_back(r.ttft * 1e3);
+    for (double x : r.itl) itl.push_back(x * 1e3);
+    e2e.push_back(r.e2e * 1e3);
+  }
+  const auto st = eng->stats();
+  const double bw = copy_bandwidth_gbs();
+  // Memory-bound roofline: one step reads every weight once whatever the batch, so at batch B
+  // the step takes at least weight_bytes / bandwidth and yields B tokens.
+  const double roof_tok_s = (double)o.concurrency * bw * 1e9 / (double)weight_bytes;
+  const double tok_s = (double)n_tok / wall;
+  if (o.json) {
+    std::printf("{\"concurrency\":%d,\"requests\":%d,\"ok\":%lld,\"prompt_len\":%d,\"gen_len\":%d,\"threads\":%d,"
+                "\"tok_s\":%.2f,\"req_s\":%.3f,\"ttft_p50_ms\":%.2f,\"ttft_p99_ms\":%.2f,\"itl_p50_ms\":%.2f,\"itl_p99_ms\":%.2f,"
+                "\"e2e_p50_ms\":%.1f,\"e2e_p99_ms\":%.1f,\"roofline_tok_s\":%.1f,\"preemptions\":%lld}\n",
+                o.concurrency, o.requests, (long long)n_ok, o.prompt_len, o.gen_len, ec.n_threads, tok_s, n_ok / wall,
+                pct(ttft, 50), pct(ttft, 99), pct(itl, 50), pct(itl, 99), pct(e2e, 50), pct(e2e, 99), roof_tok_s,
+                (long long)(st.sched.n_preempted_swap + st.sched.n_preempted_recompute));
+  } else {
+    std::printf("concurrency %d | %d requests (%lld ok) | prompt %d | gen %d | threads %d\n", o.concurrency, o.requests,
+                (long long)n_ok, o.prompt_len, o.gen_len, ec.n_threads);
+    std::printf("generated  %10.1f tok/s   %.2f req/s   (step roofline at batch %d: %.0f tok/s)\n", tok_s, n_ok / wall,
+                o.concurrency, roof_tok_s);
+    std::printf("TTFT ms    p50 %8.1f   p99 %8.1f\n", pct(ttft, 50), pct(ttft, 99));
+    std::printf("ITL ms     p50 %8.2f   p99 %8.2f\n", pct(itl, 50), pct(itl, 99));
+    std::printf("E2E ms     p50 %8.1f   p99 %8.1f\n", pct(e2e, 50), pct(e2e, 99));
+  }
+  return n_ok == o.requests ? 0 : 1;
+}
+
+}  // namespace troupe::cli

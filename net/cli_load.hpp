@@ -1,0 +1,17 @@
+// `troupe bench --concurrency N`: closed-loop load through the actor runtime.
+#pragma once
+
+#include "config/engine_config.hpp"
+
+namespace troupe::cli {
+
+struct load_opts {
+  config::engine_config engine;
+  int concurrency = 0, requests = 0, prompt_len = 128, gen_len = 128;
+  bool json = false;
+};
+
+/// Runs the load and prints the figures; returns 0 when every request completed.
+int run_load_bench(const load_opts& o);
+
+}  // namespace troupe::cli
