@@ -60,8 +60,7 @@ async def stream_completion(conn: Connection, path: str, body: bytes,
     n_events_with_tokens = 0
     usage_tokens: Optional[int] = None
     try:
-        await conn.send("POST", path, body, "text/event-stream")
-        status, headers = await conn.read_head()
+        status, headers = await conn.request("POST", path, body, "text/event-stream")
         if status != 200:
             err = bytearray()
             async for c in conn.body_chunks(headers):

@@ -98,6 +98,10 @@ def _is_loopback(host: str) -> bool:
                                for i in infos)
 
 
+class ConnectionClosed(HttpError):
+    """The server closed the connection before sending a response."""
+
+
 class Connection:
     """One keep-alive HTTP/1.1 connection; reopened transparently when the server closes it."""
 
@@ -105,11 +109,13 @@ class Connection:
         self.target = target
         self.reader: Optional[asyncio.StreamReader] = None
         self.writer: Optional[asyncio.StreamWriter] = None
+        self.n_requests = 0       # sent on the current socket
 
     async def ensure_open(self) -> None:
         if self.writer is None or self.writer.is_closing():
             self.reader, self.writer = await asyncio.open_connection(
                 self.target.host, self.target.port, limit=STREAM_LIMIT)
+            self.n_requests = 0
             sock = self.writer.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -125,12 +131,29 @@ class Connection:
                 f"Content-Type: application/json\r\nAccept: {accept}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n\r\n")
         self.writer.write(head.encode("ascii") + body)
+        self.n_requests += 1
         await self.writer.drain()
+
+    async def request(self, method: str, path: str, body: bytes,
+                      accept: str) -> tuple[int, dict[str, str]]:
+        """Sends a request and reads the response head. A reused connection that turns out to be
+        closed (servers may close after a response despite keep-alive; llama-server does after
+        each stream) is replaced by a fresh one once, as curl does."""
+        reused = self.writer is not None and not self.writer.is_closing() and self.n_requests > 0
+        try:
+            await self.send(method, path, body, accept)
+            return await self.read_head()
+        except (ConnectionClosed, ConnectionError):
+            self.close()
+            if not reused:
+                raise
+        await self.send(method, path, body, accept)
+        return await self.read_head()
 
     async def read_head(self) -> tuple[int, dict[str, str]]:
         status_line = await self.reader.readline()
         if not status_line:
-            raise HttpError("connection closed before the response")
+            raise ConnectionClosed("connection closed before the response")
         parts = status_line.decode("latin-1").split(" ", 2)
         if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
             raise HttpError(f"malformed status line {status_line[:80]!r}")
@@ -183,7 +206,6 @@ class Connection:
     async def call(self, method: str, path: str, payload: Optional[dict]) -> tuple[int, bytes]:
         """A plain request; returns (status, whole body)."""
         body = b"" if payload is None else json.dumps(payload).encode()
-        await self.send(method, path, body, "application/json")
-        status, headers = await self.read_head()
+        status, headers = await self.request(method, path, body, "application/json")
         chunks = [c async for c in self.body_chunks(headers)]
         return status, b"".join(chunks)

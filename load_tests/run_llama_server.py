@@ -34,6 +34,7 @@ DEFAULT_BIN = ROOT / "build-peer" / "build" / "bin" / "llama-server"
 DEFAULT_MODEL = ROOT / "models" / "default.gguf"
 READY_TIMEOUT_S = 120.0     # model load + warm-up
 STOP_TIMEOUT_S = 10.0       # SIGTERM grace before SIGKILL
+CTX_PAD = 256               # llama.cpp rounds each slot's context up to a multiple of this
 
 
 def free_port() -> int:
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated stream counts; each also sets the slot count")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--slot-ctx", type=int, default=0,
-                   help="context per slot (default: longest prompt+gen of the mix + 64)")
+                   help="context per slot (default: longest prompt+gen of the mix + 64, "
+                        "rounded up to a multiple of 256 as llama.cpp does)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="keep llama-server logs here (default: a temporary folder)")
     p.add_argument("--server-arg", action="append", default=[],
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"run_llama_server: bad --concurrency or mix: {e}", file=sys.stderr)
         return 2
-    slot_ctx = a.slot_ctx or max(pl + gl for pl, gl in shapes) + 64
+    # llama.cpp pads the per-slot context to a multiple of CTX_PAD anyway (llama-context.cpp).
+    slot_ctx = a.slot_ctx or -(-(max(pl + gl for pl, gl in shapes) + 64) // CTX_PAD) * CTX_PAD
 
     log_dir_ctx = (contextlib.nullcontext(str(a.log_dir)) if a.log_dir
                    else tempfile.TemporaryDirectory(prefix="llama-server-"))

@@ -92,6 +92,8 @@ class FakeHandler(http.server.BaseHTTPRequestHandler):
         send(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
         if chunked:
             self.wfile.write(b"0\r\n\r\n")
+        if srv.mode == "drop":
+            self.close_connection = True      # closes despite keep-alive, as llama-server does
 
 
 @pytest.fixture
@@ -155,6 +157,13 @@ def test_close_delimited_body(server):
     s = run(server, concurrency=2, requests=4, mix="8:3")
     assert (s["ok"], s["generated_tokens"]) == (4, 12)
     assert len(server.connections) == 4 + 1           # one per request, plus the /tokenize one
+
+
+def test_server_closing_kept_alive_connection(server):
+    server.mode = "drop"
+    s = run(server, concurrency=2, requests=6, mix="8:3")
+    assert (s["ok"], s["errors"], s["generated_tokens"]) == (6, 0, 18)
+    assert len(server.connections) == 6 + 1
 
 
 def test_http_error_is_counted(server):
