@@ -43,6 +43,40 @@ inline void axpy_f16(float* out, float w, const fp16_t* b, int n) {
   for (; i < n; ++i) out[i] += w * _cvtsh_ss(b[i]);
 }
 
+// exp(x) for 8 floats, x <= 0 (softmax after max subtraction): Cephes-style range reduction and
+// a degree-6 polynomial; relative error ~2e-7. Inputs below -87 return 0.
+inline __m256 exp256_neg(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// out[0:8*NV] = sum_p w[p] * V_p, accumulators in registers. NV = head_dim / 8.
+template <int NV>
+inline void weighted_sum_f16(float* out, const float* w, int64_t n_pos, const kv_layer_view& kv, const int32_t* table,
+                             int64_t offset) {
+  __m256 acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < n_pos; ++p) {
+    const fp16_t* v = kv.v_at(table[p / kv.block_size], (int)(p % kv.block_size)) + offset;
+    const __m256 wp = _mm256_set1_ps(w[p]);
+    for (int j = 0; j < NV; ++j)
+      acc[j] = _mm256_fmadd_ps(wp, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(v + 8 * j))), acc[j]);
+  }
+  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+
 inline void store_f16(fp16_t* dst, const float* src, int n) {
   int i = 0;
   for (; i + 8 <= n; i += 8)
@@ -111,18 +145,32 @@ void attention_row(const float* q, int n_heads, int64_t pos, const kv_layer_view
       scratch[p] = s;
       mx = s > mx ? s : mx;
     }
+    // Softmax weights, vectorized; the sum in double so long contexts lose nothing.
     double sum = 0.0;
-    for (int64_t p = 0; p < n_pos; ++p) {
+    int64_t p = 0;
+    const __m256 vmx = _mm256_set1_ps(mx);
+    for (; p + 8 <= n_pos; p += 8) {
+      const __m256 e = exp256_neg(_mm256_sub_ps(_mm256_loadu_ps(scratch + p), vmx));
+      _mm256_storeu_ps(scratch + p, e);
+      sum += (double)hsum(e);
+    }
+    for (; p < n_pos; ++p) {
       const float e = std::exp(scratch[p] - mx);
       scratch[p] = e;
       sum += e;
     }
     const float inv = (float)(1.0 / sum);
+    for (p = 0; p < n_pos; ++p) scratch[p] *= inv;
     float* oh = out + (int64_t)h * hd;
-    for (int i = 0; i < hd; ++i) oh[i] = 0.0f;
-    for (int64_t p = 0; p < n_pos; ++p) {
-      const fp16_t* v = kv.v_at(block_table[p / kv.block_size], (int)(p % kv.block_size)) + (int64_t)g * hd;
-      axpy_f16(oh, scratch[p] * inv, v, hd);
+    const int64_t off = (int64_t)g * hd;
+    switch (hd) {
+      case 32: weighted_sum_f16<4>(oh, scratch, n_pos, kv, block_table, off); break;
+      case 64: weighted_sum_f16<8>(oh, scratch, n_pos, kv, block_table, off); break;
+      case 128: weighted_sum_f16<16>(oh, scratch, n_pos, kv, block_table, off); break;
+      default:
+        for (int i = 0; i < hd; ++i) oh[i] = 0.0f;
+        for (int64_t q = 0; q < n_pos; ++q)
+          axpy_f16(oh, scratch[q], kv.v_at(block_table[q / kv.block_size], (int)(q % kv.block_size)) + off, hd);
     }
   }
 }

@@ -54,13 +54,15 @@ TEST_CASE("rope rotates the right pairs in both conventions", "[ops]") {
 }
 
 TEST_CASE("paged attention equals dense causal attention over the same K/V", "[ops]") {
-  const int n_heads = 6, n_kv = 2, hd = 24, bs = 4, n_pos = 11;
-  const int n_blocks = 8;
+  const int hd = GENERATE(24, 32, 64, 128);  // generic path and each register-blocked size
+  const int n_pos = GENERATE(1, 11, 40);      // under and over the 8-wide softmax loop
+  const int n_heads = 6, n_kv = 2, bs = 4;
+  const int n_blocks = 12;
   const int64_t row = n_kv * hd;
   // One layer, blocks laid out as kv_storage does: [block][K rows | V rows].
   std::vector<fp16_t> mem((size_t)n_blocks * 2 * bs * row);
   kv_layer_view kv{mem.data(), mem.data() + bs * row, 2 * bs * row, bs, n_kv, hd};
-  const int32_t table[3] = {5, 1, 6};  // scattered blocks
+  const int32_t table[10] = {5, 1, 6, 11, 0, 3, 9, 2, 8, 7};  // scattered blocks
   auto K = randn(n_pos * row, 4), V = randn(n_pos * row, 5), Q = randn(n_heads * hd, 6);
   for (int p = 0; p < n_pos; ++p) kv_store_row(kv, table[p / bs], p % bs, &K[p * row], &V[p * row]);
   std::vector<float> out(n_heads * hd, NAN), scratch(n_pos);
