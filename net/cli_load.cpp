@@ -15,6 +15,8 @@
 
 #include "actors/engine_handle.hpp"
 #include "engine/model.hpp"
+#include "kernels/matmul.hpp"
+#include "kernels/thread_pool.hpp"
 #include "net/cli.hpp"
 #include "net/cli_load.hpp"
 
@@ -44,6 +46,21 @@ double copy_bandwidth_gbs() {  // read + write bytes of a large memcpy, best of 
   return best + (double)b[n / 2] * 0;  // keep b alive
 }
 
+// Multiply-add throughput of the int8 kernels on the model's largest layer matrix with 64
+// activation rows, GFLOP/s: the compute ceiling of a decode step.
+double kernel_gflops(const engine::model& m, int n_threads) {
+  const auto& w = m.layer(0).w_gate;
+  const int64_t rows = 64;
+  std::vector<float> x((size_t)(rows * w.n_in), 0.5f), y((size_t)(rows * w.n_out));
+  kernels::thread_pool pool(n_threads);
+  kernels::matmul(w, x.data(), w.n_in, rows, y.data(), w.n_out, pool);  // warm-up
+  const int reps = 50;
+  const auto t0 = clk::now();
+  for (int i = 0; i < reps; ++i) kernels::matmul(w, x.data(), w.n_in, rows, y.data(), w.n_out, pool);
+  const double s = std::chrono::duration<double>(clk::now() - t0).count();
+  return 2.0 * (double)rows * (double)w.n_in * (double)w.n_out * reps / s / 1e9;
+}
+
 }  // namespace
 
 int run_load_bench(const load_opts& o) {
@@ -62,6 +79,11 @@ int run_load_bench(const load_opts& o) {
   eo.sched.max_batched_tokens = ec.n_batch;
   const int n_vocab = probe->vocab().n_vocab();
   const size_t weight_bytes = probe->weight_bytes_per_token();
+  int64_t n_params = probe->output().n_in * probe->output().n_out;
+  for (int il = 0; il < probe->hparams().n_layers; ++il) {
+    const auto& l = probe->layer(il);
+    for (const auto* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) n_params += w->n_in * w->n_out;
+  }
   probe.reset();
   auto eng = actors::engine_handle::start(eo);
 
@@ -119,22 +141,28 @@ int run_load_bench(const load_opts& o) {
   }
   const auto st = eng->stats();
   const double bw = copy_bandwidth_gbs();
-  // Memory-bound roofline: one step reads every weight once whatever the batch, so at batch B
-  // the step takes at least weight_bytes / bandwidth and yields B tokens.
-  const double roof_tok_s = (double)o.concurrency * bw * 1e9 / (double)weight_bytes;
+  // Step roofline at batch B = concurrency: memory-bound, one step reads every weight once
+  // whatever the batch (B tokens per weight_bytes / bandwidth); compute-bound, every token costs
+  // 2 multiply-adds per weight (output head included) at the kernels' measured rate.
+  const double mem_roof = (double)o.concurrency * bw * 1e9 / (double)weight_bytes;
+  const double flop_per_tok = 2.0 * (double)n_params;
+  const double gflops = kernel_gflops(eng->model(), ec.n_threads);
+  const double compute_roof = gflops * 1e9 / flop_per_tok;
+  const double roof_tok_s = std::min(mem_roof, compute_roof);
   const double tok_s = (double)n_tok / wall;
   if (o.json) {
     std::printf("{\"concurrency\":%d,\"requests\":%d,\"ok\":%lld,\"prompt_len\":%d,\"gen_len\":%d,\"threads\":%d,"
                 "\"tok_s\":%.2f,\"req_s\":%.3f,\"ttft_p50_ms\":%.2f,\"ttft_p99_ms\":%.2f,\"itl_p50_ms\":%.2f,\"itl_p99_ms\":%.2f,"
-                "\"e2e_p50_ms\":%.1f,\"e2e_p99_ms\":%.1f,\"roofline_tok_s\":%.1f,\"preemptions\":%lld}\n",
+                "\"e2e_p50_ms\":%.1f,\"e2e_p99_ms\":%.1f,\"roofline_tok_s\":%.1f,\"mem_roofline_tok_s\":%.1f,\"compute_roofline_tok_s\":%.1f,\"kernel_gflops\":%.1f,\"preemptions\":%lld}\n",
                 o.concurrency, o.requests, (long long)n_ok, o.prompt_len, o.gen_len, ec.n_threads, tok_s, n_ok / wall,
-                pct(ttft, 50), pct(ttft, 99), pct(itl, 50), pct(itl, 99), pct(e2e, 50), pct(e2e, 99), roof_tok_s,
+                pct(ttft, 50), pct(ttft, 99), pct(itl, 50), pct(itl, 99), pct(e2e, 50), pct(e2e, 99), roof_tok_s, mem_roof, compute_roof, gflops,
                 (long long)(st.sched.n_preempted_swap + st.sched.n_preempted_recompute));
   } else {
     std::printf("concurrency %d | %d requests (%lld ok) | prompt %d | gen %d | threads %d\n", o.concurrency, o.requests,
                 (long long)n_ok, o.prompt_len, o.gen_len, ec.n_threads);
-    std::printf("generated  %10.1f tok/s   %.2f req/s   (step roofline at batch %d: %.0f tok/s)\n", tok_s, n_ok / wall,
-                o.concurrency, roof_tok_s);
+    std::printf("generated  %10.1f tok/s   %.2f req/s\n", tok_s, n_ok / wall);
+    std::printf("roofline   %10.0f tok/s   at batch %d (memory %.0f: %.1f GB/s copy; compute %.0f: %.0f GFLOP/s kernels)\n",
+                roof_tok_s, o.concurrency, mem_roof, bw, compute_roof, gflops);
     std::printf("TTFT ms    p50 %8.1f   p99 %8.1f\n", pct(ttft, 50), pct(ttft, 99));
     std::printf("ITL ms     p50 %8.2f   p99 %8.2f\n", pct(itl, 50), pct(itl, 99));
     std::printf("E2E ms     p50 %8.1f   p99 %8.1f\n", pct(e2e, 50), pct(e2e, 99));
