@@ -8,7 +8,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 levels=${LEVELS:-1 4 16 64}
 threads=${THREADS:-2}
-bin=${TROUPE_BIN:-$root/build/net/troupe}
+bin=${TROUPE_BIN:-$root/build/troupe}
 server=$("$root/scripts/build_llama_server.sh" | tail -1)
 for n in $levels; do
   req=$(( 2 * n > 8 ? 2 * n : 8 ))
