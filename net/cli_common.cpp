@@ -15,10 +15,10 @@ void add_engine_options(CLI::App& cmd, config::engine_config& c) {
 }
 
 void add_sampling_options(CLI::App& cmd, engine::sampling_params& p) {
-  cmd.add_option("--temperature,--temp", p.temperature, "0: greedy");
-  cmd.add_option("--top-k", p.top_k, "keep the k most likely tokens (0: off)");
-  cmd.add_option("--top-p", p.top_p, "nucleus sampling mass (1: off)");
-  cmd.add_option("--min-p", p.min_p, "drop tokens below min_p * p(max) (0: off)");
+  cmd.add_option("--temperature,--temp", p.temperature, "0: greedy")->capture_default_str();
+  cmd.add_option("--top-k", p.top_k, "keep the k most likely tokens (0: off)")->capture_default_str();
+  cmd.add_option("--top-p", p.top_p, "nucleus sampling mass (1: off)")->capture_default_str();
+  cmd.add_option("--min-p", p.min_p, "drop tokens below min_p * p(max) (0: off)")->capture_default_str();
   cmd.add_option("--repeat-penalty", p.repetition_penalty, "repetition penalty (1: off)");
   cmd.add_option("--repeat-last-n", p.penalty_last_n, "tokens the penalties look back over (-1: all)");
   cmd.add_option("--presence-penalty", p.presence_penalty, "OpenAI presence penalty in [-2, 2]");

@@ -113,6 +113,11 @@ int run_generate(generate_opts& o) {
 
 action add_generate(CLI::App& app) {
   auto o = std::make_shared<generate_opts>();
+  // The command line's defaults are llama.cpp's (the API keeps OpenAI's: temperature 1, no cut-off).
+  o->sampling.temperature = 0.8f;
+  o->sampling.top_k = 40;
+  o->sampling.top_p = 0.95f;
+  o->sampling.min_p = 0.05f;
   CLI::App* cmd = app.add_subcommand("generate", "generate text from a prompt, streamed as it comes");
   add_engine_options(*cmd, o->engine);
   add_sampling_options(*cmd, o->sampling);
