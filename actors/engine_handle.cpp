@@ -140,6 +140,14 @@ engine_stats engine_handle::stats(std::chrono::milliseconds timeout) {
   return out;
 }
 
+bool engine_handle::drain(std::chrono::milliseconds timeout) {
+  caf::scoped_actor self{*impl_->sys};
+  bool drained = false;
+  self->request<caf::message_priority::high>(impl_->scheduler, timeout, drain_atom::value)
+      .receive([&](bool ok) { drained = ok; }, [&](caf::error&) { drained = false; });
+  return drained;
+}
+
 void engine_handle::inject_executor_fault() { caf::anon_send(impl_->scheduler, fault_atom::value); }
 
 const engine::model& engine_handle::model() const { return *impl_->model; }

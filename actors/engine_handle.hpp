@@ -126,6 +126,10 @@ class engine_handle {
   /// A consistent snapshot from the scheduler (bounded wait; throws std::runtime_error on timeout).
   engine_stats stats(std::chrono::milliseconds timeout = std::chrono::seconds(5));
 
+  /// Stops admitting (new submits fail `unavailable`) and waits until every admitted generation
+  /// has finished. True when drained within `timeout`.
+  bool drain(std::chrono::milliseconds timeout);
+
   /// Fault injection for tests: the executor throws in the middle of its next step.
   void inject_executor_fault();
 

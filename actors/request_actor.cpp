@@ -36,6 +36,7 @@ gen_error from_admit(admit_error e) {
     case admit_error::too_long: return gen_error::too_long;
     case admit_error::queue_full: return gen_error::overloaded;
     case admit_error::queue_tokens_full: return gen_error::overloaded;
+    case admit_error::unavailable: return gen_error::unavailable;
   }
   return gen_error::internal;
 }

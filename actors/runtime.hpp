@@ -11,6 +11,7 @@
 //   supervisor --executor(actor)-->             scheduler   a fresh executor (start and restarts)
 //   supervisor --[h] circuit-->                 scheduler   too many restarts: fail everything
 //   anyone   --[h] stats-->                     scheduler   replies engine_stats
+//   anyone   --[h] drain-->                     scheduler   refuse new work; replies true when empty
 // The scheduler monitors request actors (a down request = cancel) and treats a failed or timed
 // out step as a lost executor: every sequence is requeued for recompute, none fails.
 #pragma once
@@ -39,6 +40,7 @@ using stats_atom = caf::atom_constant<caf::atom("stats")>;
 using tick_atom = caf::atom_constant<caf::atom("tick")>;
 using fault_atom = caf::atom_constant<caf::atom("fault")>;
 using deadline_atom = caf::atom_constant<caf::atom("deadline")>;
+using drain_atom = caf::atom_constant<caf::atom("drain")>;
 
 /// What a request actor submits: the scheduler's spec plus what the executor needs to sample.
 struct request_msg {

@@ -21,7 +21,8 @@ struct scheduler_state {
   caf::actor executor;
   uint64_t epoch = 0;  // bumped per executor: replies from an earlier one are ignored
   int32_t n_executors = 0;
-  bool in_flight = false, circuit_open = false, tick_pending = false, fault_next = false;
+  bool in_flight = false, circuit_open = false, tick_pending = false, fault_next = false, draining = false;
+  std::vector<caf::response_promise> drain_waiters;  // answered once nothing is left
   std::unordered_map<uint64_t, seq_entry> seqs;
   std::unordered_map<caf::actor_addr, uint64_t> by_addr;
   std::vector<engine::block_copy> carry;  // copies of plans that had no batch, run with the next step
@@ -93,6 +94,10 @@ void schedule_tick(self_ptr self) {
 
 void maybe_step(self_ptr self) {
   auto& st = self->state;
+  if (st.draining && st.seqs.empty() && !st.drain_waiters.empty()) {
+    for (auto& rp : st.drain_waiters) rp.deliver(true);
+    st.drain_waiters.clear();
+  }
   if (st.in_flight || !st.executor || st.circuit_open) return;
   step_plan plan = st.core->schedule(st.now());
   for (const failure_event& f : plan.failed) {
@@ -172,7 +177,8 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
   return {
       [=](submit_atom, request_msg& m) -> admission {
         auto& s = self->state;
-        if (s.circuit_open) return {admit_error::queue_full, "the model is unavailable: its executor failed repeatedly"};
+        if (s.circuit_open) return {admit_error::unavailable, "the model is unavailable: its executor failed repeatedly"};
+        if (s.draining) return {admit_error::unavailable, "the model is draining: no new requests are admitted"};
         const uint64_t id = m.spec.id;
         admission a = s.core->add(std::move(m.spec), s.now());
         if (!a.ok()) return a;
@@ -209,6 +215,14 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
         fail_all(self, gen_error::unavailable, "the model is unavailable: its executor failed repeatedly");
       },
       [=](fault_atom) { self->state.fault_next = true; },
+      // Drain: refuse new work, finish what is admitted, answer true when nothing is left.
+      [=](drain_atom) -> caf::result<bool> {
+        auto& s = self->state;
+        s.draining = true;
+        if (s.seqs.empty()) return true;
+        s.drain_waiters.push_back(self->make_response_promise());
+        return s.drain_waiters.back();
+      },
       [=](tick_atom) {
         self->state.tick_pending = false;
         maybe_step(self);

@@ -34,6 +34,7 @@ const char* to_string(admit_error e) {
     case admit_error::duplicate_id: return "duplicate_id";
     case admit_error::queue_full: return "queue_full";
     case admit_error::queue_tokens_full: return "queue_tokens_full";
+    case admit_error::unavailable: return "unavailable";
   }
   return "?";
 }

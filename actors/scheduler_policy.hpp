@@ -81,7 +81,8 @@ struct request_spec {
 
 /// Why add() refused a request. The HTTP layer maps queue_full / queue_tokens_full to 429 and
 /// invalid_request / too_long to 400.
-enum class admit_error : uint8_t { none, invalid_request, too_long, duplicate_id, queue_full, queue_tokens_full };
+/// `unavailable` is set by the scheduler actor (draining, or the executor circuit open), not by the core: 503.
+enum class admit_error : uint8_t { none, invalid_request, too_long, duplicate_id, queue_full, queue_tokens_full, unavailable };
 
 struct admission {
   admit_error error = admit_error::none;

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <filesystem>
+#include <atomic>
 #include <thread>
 
 #include "actors/engine_handle.hpp"
@@ -152,6 +153,38 @@ TEST_CASE("a tiny KV pool forces preemption and the outputs stay identical", "[a
   }
 }
 
+TEST_CASE("seeded sampling gives the same tokens with and without preemption", "[actors][model]") {
+  std::vector<actors::generation_params> ps;
+  for (int i = 0; i < 6; ++i) {
+    auto p = greedy(prompts[i], 24);
+    p.sampling.temperature = 0.9f;
+    p.sampling.top_p = 0.95f;
+    p.sampling.seed = 1000 + (uint64_t)i;
+    p.sampling.has_seed = true;
+    ps.push_back(p);
+  }
+  auto run = [&](int32_t n_blocks, actors::preemption_mode mode) {
+    auto o = options();
+    o.n_device_blocks = n_blocks;
+    o.sched.preemption = mode;
+    auto eng = actors::engine_handle::start(o);
+    std::vector<std::shared_ptr<actors::generation_stream>> ss;
+    for (const auto& p : ps) ss.push_back(eng->submit(p));
+    std::vector<std::vector<engine::token_id>> out;
+    for (auto& s : ss) out.push_back(drain(*s).tokens);
+    const auto st = eng->stats();
+    require_no_leak(*eng);
+    return std::make_pair(out, st.sched.n_preempted_swap + st.sched.n_preempted_recompute);
+  };
+  const auto [roomy, n0] = run(256, actors::preemption_mode::swap);
+  CHECK(n0 == 0);
+  for (auto mode : {actors::preemption_mode::swap, actors::preemption_mode::recompute}) {
+    const auto [tight, n] = run(9, mode);
+    CHECK(n > 0);
+    CHECK(tight == roomy);
+  }
+}
+
 TEST_CASE("cancel mid-stream frees every block", "[actors][model]") {
   auto eng = actors::engine_handle::start(options());
   auto s = eng->submit(greedy(prompts[1], 400));
@@ -233,6 +266,25 @@ TEST_CASE("invalid requests and deadlines end with a clear error", "[actors][mod
   p = greedy(prompts[0], 2000);
   p.deadline_s = 0.2;
   CHECK(drain(*eng->submit(p)).final.error == actors::gen_error::deadline);
+  require_no_leak(*eng);
+}
+
+TEST_CASE("drain refuses new work and waits for what is admitted", "[actors][model]") {
+  auto eng = actors::engine_handle::start(options());
+  auto a = eng->submit(greedy(prompts[0], 30)), b = eng->submit(greedy(prompts[1], 30));
+  REQUIRE(a->next(30s));
+  REQUIRE(b->next(30s));
+  std::atomic<bool> drained{false};
+  std::thread t([&] { drained = eng->drain(60s); });
+  for (int i = 0; i < 200 && eng->stats().n_running + eng->stats().n_waiting == 0; ++i) std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(20ms);  // the drain message is in
+  auto late = drain(*eng->submit(greedy(prompts[2], 4)));
+  CHECK(late.final.error == actors::gen_error::unavailable);
+  CHECK_THAT(late.final.message, Catch::Contains("draining"));
+  CHECK(drain(*a).final.type == actors::stream_event::kind::done);
+  CHECK(drain(*b).final.type == actors::stream_event::kind::done);
+  t.join();
+  CHECK(drained);
   require_no_leak(*eng);
 }
 
