@@ -24,6 +24,7 @@ action add_bench(CLI::App& app);
 action add_logits(CLI::App& app);
 action add_tokenize(CLI::App& app);
 action add_detokenize(CLI::App& app);
+action add_serve(CLI::App& app);  // only with the actor runtime (TROUPE_HAVE_ACTORS)
 
 // Shared option groups.
 void add_engine_options(CLI::App& cmd, config::engine_config& c);

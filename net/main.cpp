@@ -19,6 +19,9 @@ int main(int argc, char** argv) {
   bind(troupe::cli::add_logits(app), "logits");
   bind(troupe::cli::add_tokenize(app), "tokenize");
   bind(troupe::cli::add_detokenize(app), "detokenize");
+#ifdef TROUPE_HAVE_ACTORS
+  bind(troupe::cli::add_serve(app), "serve");
+#endif
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,393 @@
+// Beast + Asio coroutines. One strand per connection; I/O threads never block on the engine:
+// a generation's events are awaited through a timer the stream's notify callback cancels.
+#include "net/http_server.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+
+namespace troupe::net {
+
+namespace {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = asio::ip::tcp;
+using asio::awaitable;
+constexpr auto nothrow = asio::as_tuple(asio::use_awaitable);
+using strand = asio::strand<asio::io_context::executor_type>;
+
+using request = http::request<http::string_body>;
+using response = http::response<http::string_body>;
+
+// --- awaiting a generation's events without blocking the thread ---------------------------------
+
+// The generations in flight, so a stopping server can cancel what outlives the grace period.
+class active_set {
+ public:
+  void add(const std::shared_ptr<actors::generation_stream>& s) {
+    std::lock_guard lk(mu_);
+    set_.insert(s);
+  }
+  void remove(const std::shared_ptr<actors::generation_stream>& s) {
+    std::lock_guard lk(mu_);
+    set_.erase(s);
+  }
+  size_t size() const {
+    std::lock_guard lk(mu_);
+    return set_.size();
+  }
+  void cancel_all() {
+    std::vector<std::shared_ptr<actors::generation_stream>> v;
+    {
+      std::lock_guard lk(mu_);
+      v.assign(set_.begin(), set_.end());
+    }
+    for (auto& s : v) s->cancel();
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::set<std::shared_ptr<actors::generation_stream>> set_;
+};
+
+// The stream's notify callback (an actor thread) marks `pending` and cancels the timer through
+// the connection's strand, so a push between "queue empty" and "wait" is never lost: either the
+// flag is seen before waiting, or the posted cancel runs after the wait began.
+class event_waiter {
+ public:
+  event_waiter(asio::any_io_executor ex, std::shared_ptr<actors::generation_stream> s, active_set& active)
+      : stream_(std::move(s)), state_(std::make_shared<shared>(ex)), active_(active) {
+    active_.add(stream_);
+    stream_->set_notify([st = state_] {
+      std::lock_guard lk(st->mu);
+      if (!st->alive) return;
+      st->pending = true;
+      asio::post(st->timer.get_executor(), [st] { st->timer.cancel(); });
+    });
+  }
+  ~event_waiter() {
+    stream_->set_notify(nullptr);
+    {
+      std::lock_guard lk(state_->mu);
+      state_->alive = false;
+    }
+    if (!stream_->finished()) stream_->cancel();  // client gone or server stopping: free the KV
+    active_.remove(stream_);
+  }
+  event_waiter(const event_waiter&) = delete;
+  event_waiter& operator=(const event_waiter&) = delete;
+
+  awaitable<actors::stream_event> next() {
+    for (;;) {
+      if (auto ev = stream_->next(std::chrono::milliseconds(0))) co_return std::move(*ev);
+      {
+        std::lock_guard lk(state_->mu);
+        if (std::exchange(state_->pending, false)) continue;
+      }
+      state_->timer.expires_after(std::chrono::milliseconds(200));  // a safety net only
+      co_await state_->timer.async_wait(nothrow);
+    }
+  }
+
+ private:
+  struct shared {
+    explicit shared(asio::any_io_executor ex) : timer(ex) {}
+    std::mutex mu;
+    bool alive = true, pending = false;
+    asio::steady_timer timer;
+  };
+  std::shared_ptr<actors::generation_stream> stream_;
+  std::shared_ptr<shared> state_;
+  active_set& active_;
+};
+
+// --- the server --------------------------------------------------------------------------------
+
+class server {
+ public:
+  server(const server_options& o, actors::engine_handle& eng, const api_context& api)
+      : opts_(o), eng_(eng), api_(api), acceptor_(ioc_), signals_(ioc_, SIGINT, SIGTERM) {}
+
+  int run() {
+    tcp::endpoint ep(asio::ip::make_address(opts_.host), opts_.port);
+    acceptor_.open(ep.protocol());
+    acceptor_.set_option(asio::socket_base::reuse_address(true));
+    beast::error_code ec;
+    acceptor_.bind(ep, ec);
+    if (ec) throw std::runtime_error("cannot listen on " + opts_.host + ":" + std::to_string(opts_.port) + ": " + ec.message());
+    acceptor_.listen(asio::socket_base::max_listen_connections);
+    const auto bound = acceptor_.local_endpoint();
+    std::printf("troupe serve: listening on http://%s:%u (model %s)\n", bound.address().to_string().c_str(),
+                (unsigned)bound.port(), api_.model_id.c_str());
+    std::fflush(stdout);
+    signals_.async_wait([this](const beast::error_code& e, int sig) {
+      if (e) return;
+      std::fprintf(stderr, "troupe serve: signal %d: no new connections; %zu generations finishing (grace %.0f s)\n", sig,
+                   active_.size(), opts_.shutdown_grace_s);
+      stopping_ = true;
+      beast::error_code ignored;
+      acceptor_.close(ignored);
+      asio::co_spawn(ioc_, drain(), asio::detached);
+    });
+    asio::co_spawn(ioc_, accept_loop(), asio::detached);
+    std::vector<std::thread> threads;
+    for (int i = 1; i < std::max(1, opts_.n_io_threads); ++i) threads.emplace_back([this] { ioc_.run(); });
+    ioc_.run();
+    for (auto& t : threads) t.join();
+    return 0;
+  }
+
+ private:
+  // Lets generations in flight finish for the grace period, cancels the rest (their clients get an
+  // error), then stops the I/O threads.
+  awaitable<void> drain() {
+    asio::steady_timer t(ioc_);
+    const auto grace_end = std::chrono::steady_clock::now() + std::chrono::milliseconds((int64_t)(opts_.shutdown_grace_s * 1000));
+    while (active_.size() > 0 && std::chrono::steady_clock::now() < grace_end) {
+      t.expires_after(std::chrono::milliseconds(50));
+      co_await t.async_wait(nothrow);
+    }
+    if (active_.size() > 0) {
+      active_.cancel_all();
+      const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+      while (active_.size() > 0 && std::chrono::steady_clock::now() < end) {
+        t.expires_after(std::chrono::milliseconds(20));
+        co_await t.async_wait(nothrow);
+      }
+    }
+    ioc_.stop();
+  }
+
+  awaitable<void> accept_loop() {
+    for (;;) {
+      auto [ec, sock] = co_await acceptor_.async_accept(asio::make_strand(ioc_), nothrow);
+      if (ec) {
+        if (!acceptor_.is_open()) co_return;
+        continue;
+      }
+      asio::co_spawn(sock.get_executor(), session(std::move(sock)), asio::detached);
+    }
+  }
+
+  std::chrono::steady_clock::duration idle_limit() const {
+    return std::chrono::milliseconds((int64_t)(std::min(opts_.request_timeout_s, 3600.0) * 1000));
+  }
+
+  awaitable<void> session(tcp::socket sock) {
+    beast::tcp_stream stream(std::move(sock));
+    const int n_open = ++n_connections_;
+    struct counter {
+      std::atomic<int>& n;
+      ~counter() { --n; }
+    } guard{n_connections_};
+    if (n_open > opts_.max_connections) {
+      co_await write_response(stream, error_response(http_error(503, "too many connections", "too_many_connections"), 11, false));
+      co_return;
+    }
+    beast::flat_buffer buf;
+    for (;;) {
+      http::request_parser<http::string_body> parser;
+      parser.body_limit(opts_.max_body_bytes);
+      stream.expires_after(idle_limit());
+      auto [ec, n] = co_await http::async_read(stream, buf, parser, nothrow);
+      if (ec == http::error::body_limit) {
+        co_await write_response(stream, error_response(http_error(413, "the request body exceeds " + std::to_string(opts_.max_body_bytes) +
+                                                                            " bytes (--max-body-bytes)", "body_too_large"), 11, false));
+        co_await linger(stream);
+        co_return;
+      }
+      if (ec) {
+        if (ec != http::error::end_of_stream && ec != asio::error::operation_aborted && ec != beast::error::timeout &&
+            ec != asio::error::connection_reset && ec != asio::error::eof)
+          co_await write_response(stream, error_response(http_error(400, "malformed HTTP request: " + ec.message(), "bad_request"), 11, false));
+        break;
+      }
+      stream.expires_never();
+      request req = parser.release();
+      const bool keep = co_await dispatch(stream, req);
+      if (!keep) break;
+    }
+    beast::error_code ignored;
+    stream.socket().shutdown(tcp::socket::shutdown_send, ignored);
+  }
+
+  // After refusing a body: stop sending, read and drop what the client still sends (bounded), so
+  // it sees the response rather than a reset.
+  awaitable<void> linger(beast::tcp_stream& stream) {
+    beast::error_code ignored;
+    stream.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    stream.expires_after(std::chrono::seconds(2));
+    std::array<char, 16384> sink;
+    for (size_t total = 0; total < (64u << 20);) {
+      auto [ec, n] = co_await stream.async_read_some(asio::buffer(sink), nothrow);
+      if (ec) break;
+      total += n;
+    }
+  }
+
+  static response json_response(http::status st, std::string body, unsigned version, bool keep) {
+    response res{st, version};
+    res.set(http::field::server, "troupe");
+    res.set(http::field::content_type, "application/json");
+    res.keep_alive(keep);
+    res.body() = std::move(body);
+    res.prepare_payload();
+    return res;
+  }
+
+  static response error_response(const api_error& e, unsigned version, bool keep) {
+    response res = json_response(static_cast<http::status>(e.status), error_body(e), version, keep);
+    if (!e.retry_after.empty()) res.set(http::field::retry_after, e.retry_after);
+    return res;
+  }
+
+  awaitable<bool> write_response(beast::tcp_stream& stream, response res) {
+    stream.expires_after(std::chrono::seconds(30));
+    auto [ec, n] = co_await http::async_write(stream, res, nothrow);
+    stream.expires_never();
+    co_return !ec && res.keep_alive();
+  }
+
+  // Routes one request; returns whether the connection stays open.
+  awaitable<bool> dispatch(beast::tcp_stream& stream, request& req) {
+    const unsigned ver = req.version();
+    const bool keep = req.keep_alive();
+    std::string path(req.target());
+    if (auto q = path.find('?'); q != std::string::npos) path.resize(q);
+    const auto method = req.method();
+    struct route {
+      const char* path;
+      http::verb verb;
+    };
+    static const route routes[] = {{"/v1/completions", http::verb::post}, {"/v1/chat/completions", http::verb::post},
+                                   {"/v1/models", http::verb::get},       {"/health", http::verb::get},
+                                   {"/ready", http::verb::get},           {"/tokenize", http::verb::post},
+                                   {"/detokenize", http::verb::post}};
+    const route* found = nullptr;
+    for (const auto& r : routes)
+      if (path == r.path) found = &r;
+    if (!found) co_return co_await write_response(stream, error_response(http_error(404, "no route " + path, "not_found"), ver, keep));
+    if (method != found->verb) {
+      response res = error_response(http_error(405, "use " + std::string(http::to_string(found->verb)) + " for " + path, "method_not_allowed"), ver, keep);
+      res.set(http::field::allow, http::to_string(found->verb));
+      co_return co_await write_response(stream, std::move(res));
+    }
+    api_error err;
+    try {
+      if (path == "/health") co_return co_await write_response(stream, json_response(http::status::ok, R"({"status":"ok"})", ver, keep));
+      if (path == "/ready") co_return co_await write_response(stream, ready(ver, keep));
+      if (path == "/v1/models") co_return co_await write_response(stream, json_response(http::status::ok, dump(api_.models_list()), ver, keep));
+      const json body = json::parse(req.body(), nullptr, false);
+      if (body.is_discarded()) throw api_exception(http_error(400, "the request body is not valid JSON", "invalid_json"));
+      if (path == "/tokenize") co_return co_await write_response(stream, json_response(http::status::ok, dump(tokenize(body, api_)), ver, keep));
+      if (path == "/detokenize") co_return co_await write_response(stream, json_response(http::status::ok, dump(detokenize(body, api_)), ver, keep));
+      const completion_request creq = parse_completion(body, path == "/v1/completions" ? endpoint::completions : endpoint::chat, api_);
+      co_return co_await generate(stream, creq, ver, keep);
+    } catch (const api_exception& e) {
+      err = e.err;
+    } catch (const std::exception& e) {
+      err = http_error(500, e.what(), "internal_error");
+    }
+    co_return co_await write_response(stream, error_response(err, ver, keep));  // no co_await inside a handler
+  }
+
+  response ready(unsigned ver, bool keep) {
+    try {
+      const auto st = eng_.stats(std::chrono::seconds(2));
+      const bool ok = st.executor_alive && !st.circuit_open;
+      json j{{"status", ok ? "ready" : "unavailable"}, {"running", st.n_running}, {"waiting", st.n_waiting},
+             {"executor_alive", st.executor_alive}, {"circuit_open", st.circuit_open}};
+      return json_response(ok ? http::status::ok : http::status::service_unavailable, dump(j), ver, keep);
+    } catch (const std::exception& e) {
+      return error_response(http_error(503, std::string("the engine does not answer: ") + e.what(), "unavailable"), ver, keep);
+    }
+  }
+
+  awaitable<bool> generate(beast::tcp_stream& stream, const completion_request& creq, unsigned ver, bool keep) {
+    actors::generation_params gp = creq.gen;
+    gp.deadline_s = opts_.request_timeout_s;
+    if (stopping_) co_return co_await write_response(stream, error_response(error_for(actors::gen_error::unavailable, "the server is stopping"), ver, false));
+    event_waiter events(co_await asio::this_coro::executor, eng_.submit(std::move(gp)), active_);
+    // A cancel that is not the client's own is the server stopping.
+    auto failure = [this](const actors::stream_event& e) {
+      if (e.error == actors::gen_error::cancelled && stopping_) return error_for(actors::gen_error::unavailable, "the server is stopping");
+      return error_for(e.error, e.message);
+    };
+    response_builder rb(creq, api_);
+    actors::stream_event ev = co_await events.next();
+    if (ev.type == actors::stream_event::kind::error)  // refused before any token: a plain error
+      co_return co_await write_response(stream, error_response(failure(ev), ver, keep));
+
+    if (!creq.stream) {
+      for (;; ev = co_await events.next()) {
+        if (ev.type == actors::stream_event::kind::token) {
+          rb.add(ev);
+          continue;
+        }
+        if (ev.type == actors::stream_event::kind::error)
+          co_return co_await write_response(stream, error_response(failure(ev), ver, keep));
+        co_return co_await write_response(stream, json_response(http::status::ok, dump(rb.finish(ev)), ver, keep));
+      }
+    }
+
+    // SSE over chunked transfer: headers now, then one chunk per event, flushed as it comes.
+    http::response<http::empty_body> head{http::status::ok, ver};
+    head.set(http::field::server, "troupe");
+    head.set(http::field::content_type, "text/event-stream");
+    head.set(http::field::cache_control, "no-cache");
+    head.keep_alive(keep);
+    head.chunked(true);
+    http::response_serializer<http::empty_body> sr{head};
+    stream.expires_after(idle_limit());
+    if (auto [ec, n] = co_await http::async_write_header(stream, sr, nothrow); ec) co_return false;
+    auto send = [&](const std::string& data) -> awaitable<bool> {
+      if (data.empty()) co_return true;
+      stream.expires_after(std::chrono::seconds(60));
+      auto [ec, n] = co_await asio::async_write(stream, http::make_chunk(asio::buffer(data)), nothrow);
+      co_return !ec;
+    };
+    if (!co_await send(rb.sse_start())) co_return false;  // event_waiter's destructor cancels
+    for (;; ev = co_await events.next()) {
+      if (ev.type == actors::stream_event::kind::token) {
+        if (!co_await send(rb.sse_token(ev))) co_return false;
+        continue;
+      }
+      const std::string tail =
+          ev.type == actors::stream_event::kind::done ? rb.sse_done(ev) : response_builder::sse_error(failure(ev));
+      if (!co_await send(tail)) co_return false;
+      break;
+    }
+    auto [ec, n] = co_await asio::async_write(stream, http::make_chunk_last(), nothrow);
+    stream.expires_never();
+    co_return !ec && keep;
+  }
+
+  server_options opts_;
+  actors::engine_handle& eng_;
+  const api_context& api_;
+  asio::io_context ioc_;
+  tcp::acceptor acceptor_;
+  asio::signal_set signals_;
+  std::atomic<int> n_connections_{0};
+  std::atomic<bool> stopping_{false};
+  active_set active_;
+};
+
+}  // namespace
+
+int run_http_server(const server_options& opts, actors::engine_handle& engine, const api_context& api) {
+  server s(opts, engine, api);
+  return s.run();
+}
+
+}  // namespace troupe::net

@@ -1,0 +1,30 @@
+// The HTTP front of `troupe serve`: Boost.Beast (HTTP/1.1, keep-alive, SSE over chunked
+// transfer) on Asio C++20 coroutines. Beast stays inside http_server.cpp; this header names
+// no Boost type.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "actors/engine_handle.hpp"
+#include "net/openai_api.hpp"
+
+namespace troupe::net {
+
+struct server_options {
+  std::string host = "127.0.0.1";
+  uint16_t port = 8080;          // 0: any free port (the one chosen is printed)
+  size_t max_body_bytes = 1 << 20;
+  double request_timeout_s = 600;  // whole-generation deadline and the idle read limit
+  int max_connections = 256;
+  double shutdown_grace_s = 5;     // on SIGINT/SIGTERM, generations in flight get this long
+  int n_io_threads = 2;
+};
+
+/// Listens, prints "troupe serve: listening on http://HOST:PORT" to stdout, and serves until
+/// SIGINT or SIGTERM: then it accepts nothing new, lets generations in flight finish for
+/// shutdown_grace_s, cancels the rest (their clients get a 503 error), and returns. Returns the process exit code. Throws std::runtime_error when it cannot
+/// bind. `engine` and `api` must outlive the call.
+int run_http_server(const server_options& opts, actors::engine_handle& engine, const api_context& api);
+
+}  // namespace troupe::net

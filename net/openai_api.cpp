@@ -1,0 +1,429 @@
+#include "net/openai_api.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <limits>
+
+#include "engine/tokenizer.hpp"
+
+namespace troupe::net {
+
+namespace {
+
+// --- typed field access ----------------------------------------------------------------------
+
+const json* field(const json& body, const char* name) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+std::optional<double> get_number(const json& body, const char* name) {
+  const json* v = field(body, name);
+  if (!v) return std::nullopt;
+  if (!v->is_number()) throw bad_param(name, std::string("'") + name + "' must be a number");
+  const double d = v->get<double>();
+  if (!std::isfinite(d)) throw bad_param(name, std::string("'") + name + "' must be finite");
+  return d;
+}
+
+std::optional<int64_t> get_int(const json& body, const char* name) {
+  const json* v = field(body, name);
+  if (!v) return std::nullopt;
+  if (v->is_number_integer()) return v->get<int64_t>();
+  if (v->is_number_float()) {  // 16.0 is an integer; 16.5 is not
+    const double d = v->get<double>();
+    if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9e15) return (int64_t)d;
+  }
+  throw bad_param(name, std::string("'") + name + "' must be an integer");
+}
+
+std::optional<bool> get_bool(const json& body, const char* name) {
+  const json* v = field(body, name);
+  if (!v) return std::nullopt;
+  if (!v->is_boolean()) throw bad_param(name, std::string("'") + name + "' must be a boolean");
+  return v->get<bool>();
+}
+
+int32_t in_range(int64_t v, int64_t lo, int64_t hi, const char* name) {
+  if (v < lo || v > hi)
+    throw bad_param(name, std::string("'") + name + "' must be in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                              "], got " + std::to_string(v));
+  return (int32_t)v;
+}
+
+std::vector<engine::token_id> token_array(const json& arr, const char* name, int32_t n_vocab) {
+  std::vector<engine::token_id> out;
+  out.reserve(arr.size());
+  for (const auto& t : arr) {
+    if (!t.is_number_integer()) throw bad_param(name, std::string("'") + name + "' must hold token ids (integers)");
+    const int64_t id = t.get<int64_t>();
+    if (id < 0 || id >= n_vocab)
+      throw bad_param(name, "token id " + std::to_string(id) + " is outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
+    out.push_back((engine::token_id)id);
+  }
+  return out;
+}
+
+std::vector<engine::token_id> completion_prompt(const json& body, const api_context& ctx) {
+  const json* p = field(body, "prompt");
+  if (!p) throw bad_param("prompt", "'prompt' is required");
+  const engine::tokenizer& tok = *ctx.tok;
+  if (p->is_string()) return tok.encode(p->get<std::string>(), true, true);
+  if (p->is_array()) {
+    if (!p->empty() && (*p)[0].is_number()) return token_array(*p, "prompt", tok.n_vocab());
+    if (p->size() == 1 && (*p)[0].is_string()) return tok.encode((*p)[0].get<std::string>(), true, true);
+    if (p->size() == 1 && (*p)[0].is_array()) return token_array((*p)[0], "prompt", tok.n_vocab());
+    if (p->size() > 1) throw bad_param("prompt", "batched prompts (a list of several prompts) are not supported yet");
+  }
+  throw bad_param("prompt", "'prompt' must be a string or an array of token ids");
+}
+
+std::string message_content(const json& m, size_t i) {
+  const std::string param = "messages[" + std::to_string(i) + "].content";
+  auto it = m.find("content");
+  if (it == m.end() || it->is_null()) return "";
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_array()) {  // content parts: only text
+    std::string out;
+    for (const auto& part : *it) {
+      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+        throw bad_param(param, "only text content parts are supported");
+      out += part["text"].get<std::string>();
+    }
+    return out;
+  }
+  throw bad_param(param, "'" + param + "' must be a string or an array of text parts");
+}
+
+std::vector<engine::token_id> chat_prompt(const json& body, const api_context& ctx) {
+  const json* msgs = field(body, "messages");
+  if (!msgs || !msgs->is_array() || msgs->empty()) throw bad_param("messages", "'messages' must be a non-empty array");
+  if (!ctx.chat) throw bad_param("messages", "the served model's chat template is not one troupe can render; use /v1/completions");
+  std::vector<engine::chat_message> conv;
+  for (size_t i = 0; i < msgs->size(); ++i) {
+    const json& m = (*msgs)[i];
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+      throw bad_param("messages[" + std::to_string(i) + "].role", "each message needs a string 'role'");
+    conv.push_back({m["role"].get<std::string>(), message_content(m, i)});
+  }
+  std::string text;
+  try {
+    text = ctx.chat->render(conv, true);
+  } catch (const std::invalid_argument& e) {
+    throw bad_param("messages", e.what());
+  }
+  const engine::tokenizer& tok = *ctx.tok;
+  return tok.encode(text, tok.add_bos() && !ctx.chat->renders_bos(), true);
+}
+
+void parse_priority(const json& body, actors::generation_params& g) {
+  const json* p = field(body, "priority");
+  if (!p) return;
+  if (p->is_string()) {
+    const auto s = p->get<std::string>();
+    if (s == "interactive") g.cls = actors::priority_class::interactive;
+    else if (s == "normal") g.cls = actors::priority_class::normal;
+    else if (s == "batch") g.cls = actors::priority_class::batch;
+    else throw bad_param("priority", "'priority' must be \"interactive\", \"normal\", \"batch\" or an integer");
+  } else if (p->is_number_integer()) {
+    g.priority = in_range(p->get<int64_t>(), -1000000, 1000000, "priority");
+  } else {
+    throw bad_param("priority", "'priority' must be \"interactive\", \"normal\", \"batch\" or an integer");
+  }
+}
+
+void parse_stop(const json& body, engine::sampling_params& s) {
+  const json* st = field(body, "stop");
+  if (!st) return;
+  if (st->is_string()) {
+    s.stop.push_back(st->get<std::string>());
+  } else if (st->is_array()) {
+    for (const auto& x : *st) {
+      if (!x.is_string()) throw bad_param("stop", "'stop' must be a string or an array of strings");
+      s.stop.push_back(x.get<std::string>());
+    }
+  } else {
+    throw bad_param("stop", "'stop' must be a string or an array of strings");
+  }
+}
+
+std::string new_id(const char* prefix) {
+  static std::atomic<uint64_t> counter{0};
+  const uint64_t t = (uint64_t)std::chrono::system_clock::now().time_since_epoch().count();
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%s-%016llx%04llx", prefix, (unsigned long long)t, (unsigned long long)(counter++ & 0xffff));
+  return buf;
+}
+
+const char* finish_name(actors::finish_reason r) { return r == actors::finish_reason::stop ? "stop" : "length"; }
+
+json byte_list(const std::string& s) {
+  json b = json::array();
+  for (unsigned char c : s) b.push_back((int)c);
+  return b;
+}
+
+}  // namespace
+
+api_exception bad_param(std::string param, std::string message) {
+  return api_exception(api_error{400, "invalid_request_error", std::move(message), std::move(param), "invalid_value", ""});
+}
+
+api_error error_for(actors::gen_error e, std::string message) {
+  using actors::gen_error;
+  struct row {
+    int status;
+    const char* type;
+    const char* code;
+  };
+  row r{500, "server_error", "internal_error"};
+  switch (e) {
+    case gen_error::invalid: r = {400, "invalid_request_error", "invalid_value"}; break;
+    case gen_error::too_long: r = {400, "invalid_request_error", "context_length_exceeded"}; break;
+    case gen_error::overloaded: r = {429, "rate_limit_error", "overloaded"}; break;
+    case gen_error::queue_timeout: r = {503, "server_error", "queue_timeout"}; break;
+    case gen_error::deadline: r = {408, "timeout_error", "deadline_exceeded"}; break;
+    case gen_error::cancelled: r = {499, "invalid_request_error", "cancelled"}; break;
+    case gen_error::unavailable: r = {503, "server_error", "unavailable"}; break;
+    case gen_error::none:
+    case gen_error::internal: break;
+  }
+  api_error out{r.status, r.type, std::move(message), "", r.code, ""};
+  if (r.status == 429) out.retry_after = "1";
+  return out;
+}
+
+api_error http_error(int status, std::string message, std::string code, std::string param) {
+  const char* type = status >= 500 ? "server_error" : "invalid_request_error";
+  return api_error{status, type, std::move(message), std::move(param), std::move(code), ""};
+}
+
+std::string error_body(const api_error& e) {
+  json err{{"message", e.message}, {"type", e.type}, {"param", nullptr}, {"code", nullptr}};
+  if (!e.param.empty()) err["param"] = e.param;
+  if (!e.code.empty()) err["code"] = e.code;
+  return dump(json{{"error", err}});
+}
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// --- api_context -------------------------------------------------------------------------------
+
+void api_context::check_model(const std::string& name) const {
+  if (name == model_id) return;
+  for (const auto& a : aliases)
+    if (name == a) return;
+  throw api_exception(http_error(404, "the model '" + name + "' does not exist; this server serves '" + model_id + "'",
+                                 "model_not_found", "model"));
+}
+
+json api_context::models_list() const {
+  json m{{"id", model_id}, {"object", "model"}, {"created", created}, {"owned_by", "troupe"}, {"max_model_len", max_model_len}};
+  return json{{"object", "list"}, {"data", json::array({m})}};
+}
+
+// --- requests ----------------------------------------------------------------------------------
+
+completion_request parse_completion(const json& body, endpoint kind, const api_context& ctx) {
+  if (!body.is_object()) throw bad_param("", "the request body must be a JSON object");
+  completion_request r;
+  r.kind = kind;
+  const bool chat = kind == endpoint::chat;
+  if (const json* m = field(body, "model")) {
+    if (!m->is_string()) throw bad_param("model", "'model' must be a string");
+    ctx.check_model(m->get<std::string>());
+  }
+  if (auto n = get_int(body, "n"); n && *n != 1) throw bad_param("n", "n > 1 is not supported yet");
+  if (!chat) {
+    if (get_bool(body, "echo").value_or(false)) throw bad_param("echo", "'echo' is not supported yet");
+    if (const json* s = field(body, "suffix"); s && !(s->is_string() && s->get<std::string>().empty()))
+      throw bad_param("suffix", "'suffix' is not supported");
+    if (auto b = get_int(body, "best_of"); b && *b != 1) throw bad_param("best_of", "best_of > 1 is not supported");
+  }
+
+  auto& g = r.gen;
+  auto& s = g.sampling;
+  s = engine::sampling_params{};  // OpenAI defaults: temperature 1, top_p 1, no top-k / min-p
+  if (auto v = get_number(body, "temperature")) s.temperature = (float)*v;
+  if (auto v = get_number(body, "top_p")) s.top_p = (float)*v;
+  if (auto v = get_int(body, "top_k")) s.top_k = *v < 0 ? 0 : in_range(*v, 0, std::numeric_limits<int32_t>::max(), "top_k");
+  if (auto v = get_number(body, "min_p")) s.min_p = (float)*v;
+  if (auto v = get_number(body, "presence_penalty")) s.presence_penalty = (float)*v;
+  if (auto v = get_number(body, "frequency_penalty")) s.frequency_penalty = (float)*v;
+  if (auto v = get_number(body, "repetition_penalty")) s.repetition_penalty = (float)*v;
+  if (auto v = get_int(body, "seed")) {
+    s.seed = (uint64_t)*v;
+    s.has_seed = true;
+  }
+  parse_stop(body, s);
+  s.ignore_eos = get_bool(body, "ignore_eos").value_or(false);  // vLLM's extension
+  if (chat) {
+    r.logprobs = get_bool(body, "logprobs").value_or(false);
+    if (auto v = get_int(body, "top_logprobs")) {
+      r.top_logprobs = in_range(*v, 0, engine::max_top_logprobs, "top_logprobs");
+      if (!r.logprobs && r.top_logprobs > 0) throw bad_param("top_logprobs", "'top_logprobs' needs 'logprobs': true");
+    }
+  } else if (auto v = get_int(body, "logprobs")) {
+    r.logprobs = true;
+    r.top_logprobs = in_range(*v, 0, engine::max_top_logprobs, "logprobs");
+  }
+  s.logprobs = r.logprobs;
+  s.top_logprobs = r.top_logprobs;
+  if (auto err = s.validate(); !err.empty()) throw bad_param("", err);
+
+  r.stream = get_bool(body, "stream").value_or(false);
+  if (const json* so = field(body, "stream_options")) {
+    if (!so->is_object()) throw bad_param("stream_options", "'stream_options' must be an object");
+    if (!r.stream) throw bad_param("stream_options", "'stream_options' is only allowed with 'stream': true");
+    r.include_usage = get_bool(*so, "include_usage").value_or(false);
+  }
+  parse_priority(body, g);
+
+  g.prompt = chat ? chat_prompt(body, ctx) : completion_prompt(body, ctx);
+  if (g.prompt.empty()) throw bad_param(chat ? "messages" : "prompt", "the prompt is empty");
+  std::optional<int64_t> max_tokens;
+  if (chat) max_tokens = get_int(body, "max_completion_tokens");
+  if (!max_tokens) max_tokens = get_int(body, "max_tokens");
+  const int64_t n_prompt = (int64_t)g.prompt.size();
+  if (max_tokens) {
+    g.max_tokens = in_range(*max_tokens, 1, std::numeric_limits<int32_t>::max() - 2, chat && field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens");
+  } else if (!chat) {
+    g.max_tokens = 16;  // OpenAI's default for completions
+  } else {  // chat: up to the end of the context
+    const int64_t left = ctx.max_model_len - n_prompt;
+    if (left < 1)
+      throw api_exception(error_for(actors::gen_error::too_long, "the prompt (" + std::to_string(n_prompt) +
+                                                                     " tokens) leaves no room to generate within the model length of " +
+                                                                     std::to_string(ctx.max_model_len)));
+    g.max_tokens = (int32_t)std::min<int64_t>(left, std::numeric_limits<int32_t>::max() - 2);
+  }
+  return r;
+}
+
+json tokenize(const json& body, const api_context& ctx) {
+  if (!body.is_object()) throw bad_param("", "the request body must be a JSON object");
+  const json* c = field(body, "content");
+  if (!c) c = field(body, "prompt");
+  if (!c || !c->is_string()) throw bad_param("content", "'content' (or 'prompt') must be a string");
+  const bool add_special = get_bool(body, "add_special").value_or(true);
+  return json{{"tokens", ctx.tok->encode(c->get<std::string>(), add_special, true)}};
+}
+
+json detokenize(const json& body, const api_context& ctx) {
+  if (!body.is_object()) throw bad_param("", "the request body must be a JSON object");
+  const json* t = field(body, "tokens");
+  if (!t || !t->is_array()) throw bad_param("tokens", "'tokens' must be an array of token ids");
+  const auto ids = token_array(*t, "tokens", ctx.tok->n_vocab());
+  return json{{"content", ctx.tok->decode(ids, false)}};
+}
+
+// --- responses ---------------------------------------------------------------------------------
+
+response_builder::response_builder(const completion_request& req, const api_context& ctx)
+    : req_(req), ctx_(ctx), id_(new_id(req.kind == endpoint::chat ? "chatcmpl" : "cmpl")), created_((int64_t)std::time(nullptr)) {
+  if (req_.kind == endpoint::chat) lp_ = json{{"content", json::array()}};
+  else lp_ = json{{"tokens", json::array()}, {"token_logprobs", json::array()}, {"top_logprobs", json::array()}, {"text_offset", json::array()}};
+}
+
+json response_builder::chunk_base() const {
+  const bool chat = req_.kind == endpoint::chat;
+  json j{{"id", id_}, {"object", chat ? "chat.completion.chunk" : "text_completion"}, {"created", created_}, {"model", ctx_.model_id}};
+  if (req_.include_usage) j["usage"] = nullptr;
+  return j;
+}
+
+json response_builder::logprob_entry(const actors::stream_event& ev) {
+  const std::string piece = ctx_.tok->decode(std::span(&ev.token, 1), false);
+  json top = json::array();
+  for (const auto& t : ev.top) {
+    const std::string p = ctx_.tok->decode(std::span(&t.token, 1), false);
+    top.push_back(json{{"token", p}, {"logprob", t.logprob}, {"bytes", byte_list(p)}});
+  }
+  return json{{"token", piece}, {"logprob", ev.logprob}, {"bytes", byte_list(piece)}, {"top_logprobs", top}};
+}
+
+void response_builder::add_logprobs(json& lp, const actors::stream_event& ev) {
+  const std::string piece = ctx_.tok->decode(std::span(&ev.token, 1), false);
+  json top = json::object();
+  for (const auto& t : ev.top) top[ctx_.tok->decode(std::span(&t.token, 1), false)] = t.logprob;
+  lp["tokens"].push_back(piece);
+  lp["token_logprobs"].push_back(ev.logprob);
+  lp["top_logprobs"].push_back(top);
+  lp["text_offset"].push_back(n_text_bytes_);
+  n_text_bytes_ += (int64_t)ev.text.size();
+}
+
+json response_builder::usage(const actors::stream_event& done) const {
+  return json{{"prompt_tokens", done.n_prompt}, {"completion_tokens", done.n_generated}, {"total_tokens", done.n_prompt + done.n_generated}};
+}
+
+std::string response_builder::sse_start() {
+  if (req_.kind != endpoint::chat) return "";
+  json j = chunk_base();
+  j["choices"] = json::array({json{{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr}, {"finish_reason", nullptr}}});
+  return "data: " + dump(j) + "\n\n";
+}
+
+std::string response_builder::sse_token(const actors::stream_event& ev) {
+  if (ev.text.empty() && !req_.logprobs) return "";
+  json choice{{"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+  if (req_.kind == endpoint::chat) {
+    choice["delta"] = json{{"content", ev.text}};
+    if (req_.logprobs) choice["logprobs"] = json{{"content", json::array({logprob_entry(ev)})}};
+  } else {
+    choice["text"] = ev.text;
+    if (req_.logprobs) {
+      json lp{{"tokens", json::array()}, {"token_logprobs", json::array()}, {"top_logprobs", json::array()}, {"text_offset", json::array()}};
+      add_logprobs(lp, ev);
+      choice["logprobs"] = lp;
+    }
+  }
+  json j = chunk_base();
+  j["choices"] = json::array({choice});
+  return "data: " + dump(j) + "\n\n";
+}
+
+std::string response_builder::sse_done(const actors::stream_event& done) {
+  json choice{{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish_name(done.finish)}};
+  if (req_.kind == endpoint::chat) choice["delta"] = done.text.empty() ? json::object() : json{{"content", done.text}};
+  else choice["text"] = done.text;
+  json j = chunk_base();
+  j["choices"] = json::array({choice});
+  std::string out = "data: " + dump(j) + "\n\n";
+  if (req_.include_usage) {
+    json u = chunk_base();
+    u["choices"] = json::array();
+    u["usage"] = usage(done);
+    out += "data: " + dump(u) + "\n\n";
+  }
+  return out + "data: [DONE]\n\n";
+}
+
+std::string response_builder::sse_error(const api_error& e) { return "data: " + error_body(e) + "\n\ndata: [DONE]\n\n"; }
+
+void response_builder::add(const actors::stream_event& ev) {
+  if (req_.logprobs) {
+    if (req_.kind == endpoint::chat) lp_["content"].push_back(logprob_entry(ev));
+    else add_logprobs(lp_, ev);
+  }
+  text_ += ev.text;
+}
+
+json response_builder::finish(const actors::stream_event& done) {
+  text_ += done.text;
+  const bool chat = req_.kind == endpoint::chat;
+  json choice{{"index", 0}, {"finish_reason", finish_name(done.finish)}, {"logprobs", req_.logprobs ? lp_ : json(nullptr)}};
+  if (chat) choice["message"] = json{{"role", "assistant"}, {"content", text_}};
+  else choice["text"] = text_;
+  return json{{"id", id_},
+              {"object", chat ? "chat.completion" : "text_completion"},
+              {"created", created_},
+              {"model", ctx_.model_id},
+              {"choices", json::array({choice})},
+              {"usage", usage(done)}};
+}
+
+}  // namespace troupe::net
