@@ -110,6 +110,10 @@ struct engine_stats {
   int32_t executor_restarts = 0;
   bool executor_alive = false, circuit_open = false;
   std::string invariant_error;  // empty when the scheduler core's check() holds
+  // Where a step's time goes: the scheduler's own work (plan + apply results) vs the executor's.
+  int64_t n_steps = 0;
+  double sched_s = 0;     // total in scheduler_core::schedule and on_step_done
+  double executor_s = 0;  // total compute reported by the executor
 };
 
 class engine_handle {

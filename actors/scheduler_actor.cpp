@@ -28,6 +28,8 @@ struct scheduler_state {
   std::vector<engine::block_copy> carry;  // copies of plans that had no batch, run with the next step
   std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
   double step_timeout_s = 120;
+  int64_t n_steps = 0;
+  double sched_s = 0, executor_s = 0;
 
   double now() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
 };
@@ -56,6 +58,9 @@ void maybe_step(self_ptr self);
 
 void on_output(self_ptr self, const step_output& out) {
   auto& st = self->state;
+  const auto t0 = std::chrono::steady_clock::now();
+  ++st.n_steps;
+  st.executor_s += out.compute_s;
   std::vector<token_result> results;
   results.reserve(out.tokens.size());
   for (const sampled& s : out.tokens) {
@@ -72,6 +77,7 @@ void on_output(self_ptr self, const step_output& out) {
     self->send(it->second.request, finished_atom::value, f.seq, f.reason, (int32_t)f.generated.size());
     forget(self, f.seq);
   }
+  st.sched_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 void fail_all(self_ptr self, gen_error e, const std::string& why) {
@@ -99,7 +105,9 @@ void maybe_step(self_ptr self) {
     st.drain_waiters.clear();
   }
   if (st.in_flight || !st.executor || st.circuit_open) return;
+  const auto t0 = std::chrono::steady_clock::now();
   step_plan plan = st.core->schedule(st.now());
+  st.sched_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   for (const failure_event& f : plan.failed) {
     auto it = st.seqs.find(f.seq);
     if (it == st.seqs.end()) continue;
@@ -243,6 +251,9 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
         r.s.executor_alive = (bool)s.executor;
         r.s.circuit_open = s.circuit_open;
         r.s.invariant_error = s.core->check();
+        r.s.n_steps = s.n_steps;
+        r.s.sched_s = s.sched_s;
+        r.s.executor_s = s.executor_s;
         return r;
       },
   };

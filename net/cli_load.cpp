@@ -166,6 +166,9 @@ int run_load_bench(const load_opts& o) {
     std::printf("TTFT ms    p50 %8.1f   p99 %8.1f\n", pct(ttft, 50), pct(ttft, 99));
     std::printf("ITL ms     p50 %8.2f   p99 %8.2f\n", pct(itl, 50), pct(itl, 99));
     std::printf("E2E ms     p50 %8.1f   p99 %8.1f\n", pct(e2e, 50), pct(e2e, 99));
+    if (st.n_steps > 0)
+      std::printf("per step   scheduler %.1f us (plan + results), executor %.2f ms (%lld steps)\n",
+                  st.sched_s / (double)st.n_steps * 1e6, st.executor_s / (double)st.n_steps * 1e3, (long long)st.n_steps);
   }
   return n_ok == o.requests ? 0 : 1;
 }

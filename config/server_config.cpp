@@ -1,0 +1,236 @@
+#include "config/server_config.hpp"
+
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
+#include <toml++/toml.h>
+
+namespace troupe::config {
+
+namespace {
+
+// One settable key: where it lives and how a TOML node becomes its value. `set` returns an error
+// naming what was expected, or "".
+struct key_spec {
+  const char* section;
+  const char* key;
+  std::function<std::string(const toml::node&, server_config&)> set;
+};
+
+std::string type_name(const toml::node& n) {
+  switch (n.type()) {
+    case toml::node_type::string: return "a string";
+    case toml::node_type::integer: return "an integer";
+    case toml::node_type::floating_point: return "a float";
+    case toml::node_type::boolean: return "a boolean";
+    case toml::node_type::array: return "an array";
+    case toml::node_type::table: return "a table";
+    default: return "a date or time";
+  }
+}
+
+template <class T>
+auto int_key(T server_config::*field) {
+  return [field](const toml::node& n, server_config& c) -> std::string {
+    const auto v = n.value_exact<int64_t>();
+    if (!v) return "expected an integer, got " + type_name(n);
+    c.*field = (T)*v;
+    if ((int64_t)(c.*field) != *v) return "integer out of range: " + std::to_string(*v);
+    return {};
+  };
+}
+
+template <class T>
+auto engine_int_key(T engine_config::*field) {
+  return [field](const toml::node& n, server_config& c) -> std::string {
+    const auto v = n.value_exact<int64_t>();
+    if (!v) return "expected an integer, got " + type_name(n);
+    if (*v < INT32_MIN || *v > INT32_MAX) return "integer out of range: " + std::to_string(*v);
+    c.engine.*field = (T)*v;
+    return {};
+  };
+}
+
+auto double_key(double server_config::*field) {
+  return [field](const toml::node& n, server_config& c) -> std::string {
+    if (!n.is_number()) return "expected a number, got " + type_name(n);
+    c.*field = n.is_integer() ? (double)*n.value_exact<int64_t>() : *n.value_exact<double>();
+    return {};
+  };
+}
+
+auto string_key(std::string server_config::*field) {
+  return [field](const toml::node& n, server_config& c) -> std::string {
+    const auto v = n.value_exact<std::string>();
+    if (!v) return "expected a string, got " + type_name(n);
+    c.*field = *v;
+    return {};
+  };
+}
+
+auto string_list_key(std::vector<std::string> server_config::*field) {
+  return [field](const toml::node& n, server_config& c) -> std::string {
+    const toml::array* a = n.as_array();
+    if (!a) return "expected an array of strings, got " + type_name(n);
+    std::vector<std::string> out;
+    for (const toml::node& e : *a) {
+      const auto v = e.value_exact<std::string>();
+      if (!v) return "expected an array of strings, found " + type_name(e);
+      out.push_back(*v);
+    }
+    c.*field = std::move(out);
+    return {};
+  };
+}
+
+const std::vector<key_spec>& keys() {
+  static const std::vector<key_spec> k = {
+      {"server", "host", string_key(&server_config::host)},
+      {"server", "port", int_key(&server_config::port)},
+      {"server", "max_body_bytes", int_key(&server_config::max_body_bytes)},
+      {"server", "request_timeout_s", double_key(&server_config::request_timeout_s)},
+      {"server", "max_connections", int_key(&server_config::max_connections)},
+      {"server", "shutdown_grace_s", double_key(&server_config::shutdown_grace_s)},
+      {"server", "io_threads", int_key(&server_config::n_io_threads)},
+      {"engine", "model",
+       [](const toml::node& n, server_config& c) -> std::string {
+         const auto v = n.value_exact<std::string>();
+         if (!v) return "expected a string, got " + type_name(n);
+         c.engine.model_path = *v;
+         return {};
+       }},
+      {"engine", "threads", engine_int_key(&engine_config::n_threads)},
+      {"engine", "ctx_size", engine_int_key(&engine_config::n_ctx)},
+      {"engine", "kv_block_size", engine_int_key(&engine_config::kv_block_size)},
+      {"engine", "batch_size", engine_int_key(&engine_config::n_batch)},
+      {"engine", "kv_mb", int_key(&server_config::kv_mb)},
+      {"scheduler", "max_num_seqs", int_key(&server_config::max_num_seqs)},
+      {"scheduler", "max_waiting", int_key(&server_config::max_waiting)},
+      {"scheduler", "max_waiting_tokens", int_key(&server_config::max_waiting_tokens)},
+      {"scheduler", "queue_timeout_s", double_key(&server_config::queue_timeout_s)},
+      {"scheduler", "preemption", string_key(&server_config::preemption)},
+      {"auth", "api_keys", string_list_key(&server_config::api_keys)},
+      {"auth", "admin_api_keys", string_list_key(&server_config::admin_api_keys)},
+  };
+  return k;
+}
+
+std::string quote(const std::string& s) {
+  std::ostringstream o;
+  o << toml::value<std::string>(s);
+  return o.str();
+}
+
+std::string range_error(const char* key, const char* flag, const std::string& range, const std::string& got) {
+  return std::string(key) + " (" + flag + ") must be " + range + ", got " + got;
+}
+
+std::string num(double v) {
+  std::ostringstream o;
+  o << v;
+  return o.str();
+}
+
+}  // namespace
+
+server_config parse_toml(std::string_view text, std::string_view source) {
+  const std::string src(source);
+  toml::table root;
+  try {
+    root = toml::parse(text, src);
+  } catch (const toml::parse_error& e) {
+    throw config_error(src + ":" + std::to_string(e.source().begin.line) + ": " + std::string(e.description()));
+  }
+  server_config c;
+  for (const auto& [section_key, section] : root) {
+    const std::string section_name(section_key.str());
+    const toml::table* t = section.as_table();
+    bool known_section = false;
+    for (const auto& k : keys()) known_section |= section_name == k.section;
+    if (!known_section) throw config_error(src + ": unknown key '" + section_name + "' (sections: server, engine, scheduler, auth)");
+    if (!t) throw config_error(src + ": key '" + section_name + "': expected a table, got " + type_name(section));
+    for (const auto& [key, value] : *t) {
+      const std::string name = section_name + "." + std::string(key.str());
+      const key_spec* spec = nullptr;
+      for (const auto& k : keys())
+        if (section_name == k.section && key.str() == k.key) spec = &k;
+      if (!spec) throw config_error(src + ": unknown key '" + name + "'");
+      if (std::string err = spec->set(value, c); !err.empty()) throw config_error(src + ": key '" + name + "': " + err);
+    }
+  }
+  return c;
+}
+
+server_config load_toml(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw config_error("cannot read the config file " + path);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return parse_toml(s.str(), path);
+}
+
+std::string validate(const server_config& c) {
+  if (c.host.empty()) return "server.host (--host) must not be empty";
+  if (c.port < 0 || c.port > 65535) return range_error("server.port", "--port", "in [0, 65535]", std::to_string(c.port));
+  if (c.max_body_bytes < 1 || c.max_body_bytes > (int64_t(1) << 32))
+    return range_error("server.max_body_bytes", "--max-body-bytes", "in [1, 4294967296]", std::to_string(c.max_body_bytes));
+  if (!(c.request_timeout_s > 0) || !std::isfinite(c.request_timeout_s))
+    return range_error("server.request_timeout_s", "--request-timeout-s", "> 0", num(c.request_timeout_s));
+  if (c.max_connections < 1 || c.max_connections > 1000000)
+    return range_error("server.max_connections", "--max-connections", "in [1, 1000000]", std::to_string(c.max_connections));
+  if (!(c.shutdown_grace_s >= 0) || !std::isfinite(c.shutdown_grace_s))
+    return range_error("server.shutdown_grace_s", "--shutdown-grace-s", ">= 0", num(c.shutdown_grace_s));
+  if (c.n_io_threads < 1 || c.n_io_threads > 256) return range_error("server.io_threads", "--io-threads", "in [1, 256]", std::to_string(c.n_io_threads));
+
+  const engine_config& e = c.engine;
+  if (e.n_threads < 0 || e.n_threads > 1024) return range_error("engine.threads", "--threads", "in [0, 1024] (0: automatic)", std::to_string(e.n_threads));
+  if (e.n_ctx < 0 || e.n_ctx > (1 << 20)) return range_error("engine.ctx_size", "--ctx-size", "in [0, 1048576] (0: the model's)", std::to_string(e.n_ctx));
+  if (e.kv_block_size < 1 || e.kv_block_size > 1024 || (e.kv_block_size & (e.kv_block_size - 1)))
+    return range_error("engine.kv_block_size", "--kv-block-size", "a power of two in [1, 1024]", std::to_string(e.kv_block_size));
+  if (e.n_batch < 1 || e.n_batch > 65536) return range_error("engine.batch_size", "--batch-size", "in [1, 65536]", std::to_string(e.n_batch));
+  if (c.kv_mb < 1 || c.kv_mb > (int64_t(1) << 24)) return range_error("engine.kv_mb", "--kv-mb", "in [1, 16777216]", std::to_string(c.kv_mb));
+
+  if (c.max_num_seqs < 1 || c.max_num_seqs > 65536) return range_error("scheduler.max_num_seqs", "--max-num-seqs", "in [1, 65536]", std::to_string(c.max_num_seqs));
+  if (c.max_waiting < 0 || c.max_waiting > INT32_MAX) return range_error("scheduler.max_waiting", "--max-waiting", "in [0, 2147483647]", std::to_string(c.max_waiting));
+  if (c.max_waiting_tokens < 0) return range_error("scheduler.max_waiting_tokens", "--max-waiting-tokens", ">= 0", std::to_string(c.max_waiting_tokens));
+  if (!(c.queue_timeout_s >= 0) || !std::isfinite(c.queue_timeout_s))
+    return range_error("scheduler.queue_timeout_s", "--queue-timeout-s", ">= 0 (0: none)", num(c.queue_timeout_s));
+  if (c.preemption != "swap" && c.preemption != "recompute")
+    return range_error("scheduler.preemption", "--preemption", "\"swap\" or \"recompute\"", "\"" + c.preemption + "\"");
+
+  for (const auto* list : {&c.api_keys, &c.admin_api_keys})
+    for (const std::string& k : *list) {
+      const char* name = list == &c.api_keys ? "auth.api_keys (--api-key)" : "auth.admin_api_keys (--admin-api-key)";
+      if (k.size() < 1) return std::string(name) + ": a key must not be empty";
+      for (unsigned char ch : k)
+        if (ch <= 0x20 || ch >= 0x7f) return std::string(name) + ": a key must be printable ASCII without spaces";
+    }
+  return {};
+}
+
+std::string describe(const server_config& c) {
+  auto redacted = [](const std::vector<std::string>& v) {
+    std::string s = "[";
+    for (size_t i = 0; i < v.size(); ++i) s += i ? ", \"***\"" : "\"***\"";
+    return s + "]";
+  };
+  const engine_config& e = c.engine;
+  std::ostringstream o;
+  o << "[server]\n"
+    << "host = " << quote(c.host) << "\nport = " << c.port << "\nmax_body_bytes = " << c.max_body_bytes
+    << "\nrequest_timeout_s = " << num(c.request_timeout_s) << "\nmax_connections = " << c.max_connections
+    << "\nshutdown_grace_s = " << num(c.shutdown_grace_s) << "\nio_threads = " << c.n_io_threads << "\n"
+    << "[engine]\n"
+    << "model = " << quote(e.model_path) << "\nthreads = " << e.n_threads << "\nctx_size = " << e.n_ctx
+    << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\nkv_mb = " << c.kv_mb << "\n"
+    << "[scheduler]\n"
+    << "max_num_seqs = " << c.max_num_seqs << "\nmax_waiting = " << c.max_waiting << "\nmax_waiting_tokens = " << c.max_waiting_tokens
+    << "\nqueue_timeout_s = " << num(c.queue_timeout_s) << "\npreemption = " << quote(c.preemption) << "\n"
+    << "[auth]\n"
+    << "api_keys = " << redacted(c.api_keys) << "\nadmin_api_keys = " << redacted(c.admin_api_keys) << "\n";
+  return o.str();
+}
+
+}  // namespace troupe::config

@@ -1,0 +1,69 @@
+// The settings of `troupe serve`: every key of config/troupe.toml with its default, loading from
+// TOML, and validation. Plain values only (no Boost, no actor types): net/cli_serve.cpp copies
+// them into the engine and HTTP options, and the tests drive this directly.
+//
+//   server_config c = load_toml("troupe.toml");   // defaults, overlaid by the file; throws
+//   ... command-line flags overwrite fields ...
+//   if (auto err = validate(c); !err.empty()) fail(err);
+//   std::puts(describe(c).c_str());               // API keys redacted
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "config/engine_config.hpp"
+
+namespace troupe::config {
+
+/// A config file that cannot be used: one line naming the file and the key (or the TOML syntax
+/// error's line).
+class config_error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct server_config {
+  // [server]
+  std::string host = "127.0.0.1";
+  int64_t port = 8080;                // 0: any free port
+  int64_t max_body_bytes = 1 << 20;   // larger request bodies get 413
+  double request_timeout_s = 600;     // whole-generation deadline and the idle read limit
+  int64_t max_connections = 256;      // open connections at most (503 beyond)
+  double shutdown_grace_s = 5;        // generations in flight may finish this long on SIGTERM
+  int64_t n_io_threads = 2;           // HTTP I/O threads
+
+  // [engine]  (model_path, n_threads, n_ctx, kv_block_size, n_batch; max_kv_bytes is unused:
+  // the serve cache size is kv_mb)
+  engine_config engine;
+  int64_t kv_mb = 256;                // device KV cache size in MiB
+
+  // [scheduler]
+  int64_t max_num_seqs = 64;          // sequences decoded together at most
+  int64_t max_waiting = 1024;         // waiting requests at most (429 beyond)
+  int64_t max_waiting_tokens = 1 << 20;  // prompt tokens of the waiting requests at most
+  double queue_timeout_s = 0;         // longest wait before the first step (0: none; 503 after)
+  std::string preemption = "swap";    // "swap" (to host blocks) or "recompute"
+
+  // [auth]
+  std::vector<std::string> api_keys;        // empty: the API is open
+  std::vector<std::string> admin_api_keys;  // operator endpoints (/metrics); empty: api_keys
+};
+
+/// Defaults overlaid with the TOML text. `source` names it in errors. Throws config_error on a
+/// syntax error, an unknown section or key, or a value of the wrong type; ranges are validate()'s.
+server_config parse_toml(std::string_view text, std::string_view source = "<string>");
+
+/// parse_toml() of a file. Throws config_error when it cannot be read.
+server_config load_toml(const std::string& path);
+
+/// Empty when valid, else one line naming the key (as `section.key`, with its flag) and its
+/// allowed range.
+std::string validate(const server_config& c);
+
+/// The effective configuration as TOML, API keys redacted ("***" per key).
+std::string describe(const server_config& c);
+
+}  // namespace troupe::config

@@ -1,0 +1,169 @@
+#include "config/server_config.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+using troupe::config::config_error;
+using troupe::config::describe;
+using troupe::config::load_toml;
+using troupe::config::parse_toml;
+using troupe::config::server_config;
+using troupe::config::validate;
+
+namespace {
+
+// The config_error message of parse_toml(text), or "" when it parsed.
+std::string parse_error(const std::string& text) {
+  try {
+    parse_toml(text, "t.toml");
+  } catch (const config_error& e) {
+    return e.what();
+  }
+  return {};
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("server_config: an empty file gives the documented defaults, which validate", "[config]") {
+  const server_config c = parse_toml("");
+  CHECK(c.host == "127.0.0.1");
+  CHECK(c.port == 8080);
+  CHECK(c.max_body_bytes == (1 << 20));
+  CHECK(c.request_timeout_s == 600);
+  CHECK(c.max_connections == 256);
+  CHECK(c.engine.n_threads == 0);
+  CHECK(c.engine.kv_block_size == 16);
+  CHECK(c.engine.n_batch == 512);
+  CHECK(c.kv_mb == 256);
+  CHECK(c.max_num_seqs == 64);
+  CHECK(c.max_waiting == 1024);
+  CHECK(c.queue_timeout_s == 0);
+  CHECK(c.preemption == "swap");
+  CHECK(c.api_keys.empty());
+  CHECK(c.admin_api_keys.empty());
+  CHECK(validate(c).empty());
+}
+
+TEST_CASE("server_config: the shipped config/troupe.toml parses to the defaults", "[config]") {
+  const server_config c = load_toml(std::string(TROUPE_SOURCE_DIR) + "/config/troupe.toml");
+  CHECK(describe(c) == describe(server_config{}));
+}
+
+TEST_CASE("server_config: file values override the defaults, other keys keep theirs", "[config]") {
+  const server_config c = parse_toml(R"(
+[server]
+host = "0.0.0.0"
+port = 9001
+max_body_bytes = 4096
+request_timeout_s = 30        # an integer is accepted for a float key
+[engine]
+model = "/models/x.gguf"
+threads = 3
+kv_block_size = 32
+[scheduler]
+max_num_seqs = 8
+queue_timeout_s = 2.5
+preemption = "recompute"
+[auth]
+api_keys = ["k1", "k2"]
+admin_api_keys = ["adm"]
+)");
+  CHECK(c.host == "0.0.0.0");
+  CHECK(c.port == 9001);
+  CHECK(c.max_body_bytes == 4096);
+  CHECK(c.request_timeout_s == 30.0);
+  CHECK(c.engine.model_path == "/models/x.gguf");
+  CHECK(c.engine.n_threads == 3);
+  CHECK(c.engine.kv_block_size == 32);
+  CHECK(c.max_num_seqs == 8);
+  CHECK(c.queue_timeout_s == 2.5);
+  CHECK(c.preemption == "recompute");
+  CHECK(c.api_keys == std::vector<std::string>{"k1", "k2"});
+  CHECK(c.admin_api_keys == std::vector<std::string>{"adm"});
+  // untouched
+  CHECK(c.max_connections == 256);
+  CHECK(c.engine.n_batch == 512);
+  CHECK(c.max_waiting == 1024);
+  CHECK(validate(c).empty());
+}
+
+TEST_CASE("server_config: an unknown key or section is named", "[config]") {
+  CHECK(contains(parse_error("[server]\nprot = 1\n"), "unknown key 'server.prot'"));
+  CHECK(contains(parse_error("[servre]\nport = 1\n"), "unknown key 'servre'"));
+  CHECK(contains(parse_error("port = 1\n"), "unknown key 'port'"));
+  CHECK(contains(parse_error("[engine]\nmax_num_seqs = 4\n"), "unknown key 'engine.max_num_seqs'"));
+}
+
+TEST_CASE("server_config: a value of the wrong type is named with what was expected", "[config]") {
+  const std::string e1 = parse_error("[server]\nport = \"8080\"\n");
+  CHECK(contains(e1, "key 'server.port'"));
+  CHECK(contains(e1, "expected an integer, got a string"));
+  CHECK(contains(parse_error("[server]\nport = 80.5\n"), "key 'server.port': expected an integer, got a float"));
+  CHECK(contains(parse_error("[server]\nrequest_timeout_s = true\n"), "key 'server.request_timeout_s': expected a number"));
+  CHECK(contains(parse_error("[auth]\napi_keys = \"k1\"\n"), "key 'auth.api_keys': expected an array of strings"));
+  CHECK(contains(parse_error("[auth]\napi_keys = [\"k1\", 2]\n"), "key 'auth.api_keys': expected an array of strings, found an integer"));
+  CHECK(contains(parse_error("server = 3\n"), "key 'server': expected a table"));
+  CHECK(contains(parse_error("[engine]\nthreads = 99999999999\n"), "key 'engine.threads': integer out of range"));
+}
+
+TEST_CASE("server_config: a TOML syntax error names the file and line", "[config]") {
+  const std::string e = parse_error("[server]\nport = 80\nhost = \n");
+  CHECK(contains(e, "t.toml:3:"));
+}
+
+TEST_CASE("server_config: out-of-range values are named by validate()", "[config]") {
+  struct bad_case {
+    const char* toml;
+    const char* key;
+  };
+  const bad_case cases[] = {
+      {"[server]\nport = 70000", "server.port (--port) must be in [0, 65535], got 70000"},
+      {"[server]\nport = -1", "server.port (--port)"},
+      {"[server]\nmax_body_bytes = 0", "server.max_body_bytes (--max-body-bytes)"},
+      {"[server]\nrequest_timeout_s = 0", "server.request_timeout_s (--request-timeout-s) must be > 0"},
+      {"[server]\nrequest_timeout_s = nan", "server.request_timeout_s"},
+      {"[server]\nmax_connections = 0", "server.max_connections"},
+      {"[server]\nshutdown_grace_s = -1", "server.shutdown_grace_s"},
+      {"[server]\nio_threads = 0", "server.io_threads"},
+      {"[server]\nhost = \"\"", "server.host"},
+      {"[engine]\nthreads = -2", "engine.threads (--threads)"},
+      {"[engine]\nctx_size = -1", "engine.ctx_size"},
+      {"[engine]\nkv_block_size = 24", "engine.kv_block_size (--kv-block-size) must be a power of two"},
+      {"[engine]\nbatch_size = 0", "engine.batch_size"},
+      {"[engine]\nkv_mb = 0", "engine.kv_mb (--kv-mb)"},
+      {"[scheduler]\nmax_num_seqs = 0", "scheduler.max_num_seqs"},
+      {"[scheduler]\nmax_waiting = -1", "scheduler.max_waiting"},
+      {"[scheduler]\nmax_waiting_tokens = -1", "scheduler.max_waiting_tokens"},
+      {"[scheduler]\nqueue_timeout_s = -0.5", "scheduler.queue_timeout_s"},
+      {"[scheduler]\npreemption = \"drop\"", "scheduler.preemption (--preemption) must be \"swap\" or \"recompute\", got \"drop\""},
+      {"[auth]\napi_keys = [\"\"]", "auth.api_keys (--api-key): a key must not be empty"},
+      {"[auth]\nadmin_api_keys = [\"has space\"]", "auth.admin_api_keys (--admin-api-key): a key must be printable"},
+  };
+  for (const auto& bc : cases) {
+    INFO(bc.toml);
+    const server_config c = parse_toml(bc.toml);  // types are right: parsing succeeds
+    const std::string err = validate(c);
+    CHECK(contains(err, bc.key));
+    CHECK(err.find('\n') == std::string::npos);
+  }
+}
+
+TEST_CASE("server_config: describe() redacts API keys and round-trips through parse_toml", "[config]") {
+  server_config c = parse_toml("[server]\nport = 1234\n[auth]\napi_keys = [\"secret-one\", \"secret-two\"]\nadmin_api_keys = [\"adm1n\"]\n");
+  const std::string d = describe(c);
+  CHECK_FALSE(contains(d, "secret"));
+  CHECK_FALSE(contains(d, "adm1n"));
+  CHECK(contains(d, "api_keys = [\"***\", \"***\"]"));
+  const server_config back = parse_toml(d);
+  CHECK(back.port == 1234);
+  CHECK(back.api_keys.size() == 2);
+}
+
+TEST_CASE("server_config: load_toml reports an unreadable file", "[config]") {
+  CHECK_THROWS_WITH(load_toml("/nonexistent/troupe.toml"), Catch::Contains("cannot read the config file /nonexistent/troupe.toml"));
+}
