@@ -122,8 +122,8 @@ engine_handle::~engine_handle() {
 std::shared_ptr<generation_stream> engine_handle::submit(generation_params params) {
   const uint64_t id = impl_->next_id++;
   auto stream = std::make_shared<generation_stream>((size_t)std::max(0, params.max_tokens) + 2);
-  // The stream's canceller must exist before the actor can push anything, so spawn lazily
-  // through a handle set right after spawn; the actor itself never calls the canceller.
+  // The canceller is in place before submit() returns, so a client's cancel() always reaches the
+  // request actor (which then tells the scheduler with high priority).
   auto req = impl_->sys->spawn(request_actor, impl_->scheduler, impl_->model, std::move(params), id, stream);
   stream->set_canceller([req] { caf::anon_send<caf::message_priority::high>(req, cancel_atom::value); }, id);
   return stream;

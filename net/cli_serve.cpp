@@ -4,9 +4,12 @@
 #include <algorithm>
 #include <ctime>
 #include <filesystem>
+#include <functional>
+#include <utility>
 #include <stdexcept>
 
 #include "actors/engine_handle.hpp"
+#include "config/server_config.hpp"
 #include "engine/model.hpp"
 #include "engine/tokenizer.hpp"
 #include "net/cli.hpp"
@@ -18,32 +21,78 @@ namespace troupe::cli {
 namespace {
 
 struct serve_opts {
-  config::engine_config engine;
-  net::server_options http;
-  int64_t kv_mb = 256;
-  int max_num_seqs = 64;
+  config::server_config flags;  // bound to the command line; only the flags given are applied
+  std::string config_path;      // --config: the file's values replace the defaults
+  CLI::App* cmd = nullptr;
 };
 
+// Every flag that maps to a server_config field: its name and how its value is applied.
+using apply_fn = std::function<void(config::server_config& dst, const config::server_config& src)>;
+template <class T>
+std::pair<std::string, apply_fn> field(std::string flag, T config::server_config::*f) {
+  return {std::move(flag), [f](config::server_config& d, const config::server_config& s) { d.*f = s.*f; }};
+}
+template <class T>
+std::pair<std::string, apply_fn> engine_field(std::string flag, T config::engine_config::*f) {
+  return {std::move(flag), [f](config::server_config& d, const config::server_config& s) { d.engine.*f = s.engine.*f; }};
+}
+const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
+  using c = config::server_config;
+  using e = config::engine_config;
+  static const std::vector<std::pair<std::string, apply_fn>> v = {
+      field("--host", &c::host), field("--port", &c::port), field("--max-body-bytes", &c::max_body_bytes),
+      field("--request-timeout-s", &c::request_timeout_s), field("--max-connections", &c::max_connections),
+      field("--shutdown-grace-s", &c::shutdown_grace_s), field("--io-threads", &c::n_io_threads),
+      engine_field("--model", &e::model_path), engine_field("--threads", &e::n_threads), engine_field("--ctx-size", &e::n_ctx),
+      engine_field("--kv-block-size", &e::kv_block_size), engine_field("--batch-size", &e::n_batch), field("--kv-mb", &c::kv_mb),
+      field("--max-num-seqs", &c::max_num_seqs), field("--max-waiting", &c::max_waiting),
+      field("--max-waiting-tokens", &c::max_waiting_tokens), field("--queue-timeout-s", &c::queue_timeout_s),
+      field("--preemption", &c::preemption), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
+  };
+  return v;
+}
+
+// The defaults, overlaid by the config file, overlaid by the flags given; validated.
+config::server_config effective_config(const serve_opts& o) {
+  config::server_config c = o.config_path.empty() ? config::server_config{} : config::load_toml(o.config_path);
+  for (const auto& [flag, apply] : flag_fields())
+    if (o.cmd->get_option(flag)->count() > 0) apply(c, o.flags);
+  if (auto err = config::validate(c); !err.empty()) throw std::runtime_error(err);
+  return c;
+}
+
 int run_serve(serve_opts& o) {
-  config::engine_config& ec = o.engine;
-  if (auto err = config::validate(ec); !err.empty()) throw std::runtime_error(err);
+  config::server_config c = effective_config(o);
+  config::engine_config& ec = c.engine;
   if (ec.model_path.empty()) ec.model_path = config::default_model_path();
   if (ec.model_path.empty())
     throw std::runtime_error("no model given and the default model is not installed: run scripts/setup.sh or pass --model FILE");
   if (ec.n_threads == 0) ec.n_threads = config::default_threads();
-  if (o.kv_mb < 1) throw std::runtime_error("--kv-mb must be at least 1, got " + std::to_string(o.kv_mb));
-  if (o.http.max_body_bytes < 1) throw std::runtime_error("--max-body-bytes must be at least 1");
-  if (!(o.http.request_timeout_s > 0)) throw std::runtime_error("--request-timeout-s must be > 0");
-  if (!(o.http.shutdown_grace_s >= 0)) throw std::runtime_error("--shutdown-grace-s must be >= 0");
-  if (o.http.max_connections < 1) throw std::runtime_error("--max-connections must be at least 1");
+  std::fprintf(stderr, "troupe serve: effective configuration%s%s:\n%s", o.config_path.empty() ? "" : " (from ",
+               o.config_path.empty() ? "" : (o.config_path + " and the flags)").c_str(), config::describe(c).c_str());
+
+  net::server_options http;
+  http.host = c.host;
+  http.port = (uint16_t)c.port;
+  http.max_body_bytes = (size_t)c.max_body_bytes;
+  http.request_timeout_s = c.request_timeout_s;
+  http.max_connections = (int)c.max_connections;
+  http.shutdown_grace_s = c.shutdown_grace_s;
+  http.n_io_threads = (int)c.n_io_threads;
+  http.auth.api_keys = c.api_keys;
+  http.auth.admin_api_keys = c.admin_api_keys;
 
   actors::engine_options eo;
   eo.model_path = ec.model_path;
   eo.n_threads = ec.n_threads;
   eo.kv_block_size = ec.kv_block_size;
-  eo.max_kv_bytes = o.kv_mb << 20;
+  eo.max_kv_bytes = c.kv_mb << 20;
   eo.sched.max_batched_tokens = ec.n_batch;
-  eo.sched.max_num_seqs = o.max_num_seqs;
+  eo.sched.max_num_seqs = (int32_t)c.max_num_seqs;
+  eo.sched.max_waiting = (int32_t)c.max_waiting;
+  eo.sched.max_waiting_tokens = c.max_waiting_tokens;
+  eo.sched.queue_timeout_s = c.queue_timeout_s;
+  eo.sched.preemption = c.preemption == "recompute" ? actors::preemption_mode::recompute : actors::preemption_mode::swap;
   eo.sched.max_model_len = ec.n_ctx;  // 0: the engine's limit (trained context, KV pool)
   auto eng = actors::engine_handle::start(eo);
   const engine::model& m = eng->model();
@@ -65,23 +114,33 @@ int run_serve(serve_opts& o) {
   api.chat = engine::chat_template::detect(src, bos, eos);
   if (!api.chat)
     std::fprintf(stderr, "troupe serve: the model's chat template is not recognized; /v1/chat/completions will refuse requests\n");
-  return net::run_http_server(o.http, *eng, api);
+  return net::run_http_server(http, *eng, api);
 }
 
 }  // namespace
 
 action add_serve(CLI::App& app) {
   auto o = std::make_shared<serve_opts>();
+  config::server_config& f = o->flags;
   CLI::App* cmd = app.add_subcommand("serve", "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, SSE)");
-  add_engine_options(*cmd, o->engine);
-  cmd->add_option("--host", o->http.host, "address to listen on")->capture_default_str();
-  cmd->add_option("--port", o->http.port, "TCP port (0: any free port)")->capture_default_str();
-  cmd->add_option("--kv-mb", o->kv_mb, "device KV cache size in MiB")->capture_default_str();
-  cmd->add_option("--max-num-seqs", o->max_num_seqs, "sequences decoded together at most")->capture_default_str();
-  cmd->add_option("--max-body-bytes", o->http.max_body_bytes, "largest request body accepted (413 beyond)")->capture_default_str();
-  cmd->add_option("--request-timeout-s", o->http.request_timeout_s, "deadline of one generation, and the idle read limit")->capture_default_str();
-  cmd->add_option("--max-connections", o->http.max_connections, "open connections at most (503 beyond)")->capture_default_str();
-  cmd->add_option("--shutdown-grace-s", o->http.shutdown_grace_s, "on SIGINT/SIGTERM, how long generations in flight may finish")->capture_default_str();
+  o->cmd = cmd;
+  cmd->add_option("--config", o->config_path, "TOML config file (see config/troupe.toml); flags override it")->check(CLI::ExistingFile);
+  add_engine_options(*cmd, f.engine);
+  cmd->add_option("--host", f.host, "address to listen on")->capture_default_str();
+  cmd->add_option("--port", f.port, "TCP port (0: any free port)")->capture_default_str();
+  cmd->add_option("--kv-mb", f.kv_mb, "device KV cache size in MiB")->capture_default_str();
+  cmd->add_option("--max-num-seqs", f.max_num_seqs, "sequences decoded together at most")->capture_default_str();
+  cmd->add_option("--max-waiting", f.max_waiting, "waiting requests at most (429 beyond)")->capture_default_str();
+  cmd->add_option("--max-waiting-tokens", f.max_waiting_tokens, "prompt tokens of the waiting requests at most (429 beyond)")->capture_default_str();
+  cmd->add_option("--queue-timeout-s", f.queue_timeout_s, "longest wait for the first step (0: none; 503 after)")->capture_default_str();
+  cmd->add_option("--preemption", f.preemption, "when KV runs out: swap or recompute")->capture_default_str();
+  cmd->add_option("--max-body-bytes", f.max_body_bytes, "largest request body accepted (413 beyond)")->capture_default_str();
+  cmd->add_option("--request-timeout-s", f.request_timeout_s, "deadline of one generation, and the idle read limit")->capture_default_str();
+  cmd->add_option("--max-connections", f.max_connections, "open connections at most (503 beyond)")->capture_default_str();
+  cmd->add_option("--shutdown-grace-s", f.shutdown_grace_s, "on SIGINT/SIGTERM, how long generations in flight may finish")->capture_default_str();
+  cmd->add_option("--io-threads", f.n_io_threads, "HTTP I/O threads")->capture_default_str();
+  cmd->add_option("--api-key", f.api_keys, "API key clients send as 'Authorization: Bearer KEY' (repeatable; none: open)");
+  cmd->add_option("--admin-api-key", f.admin_api_keys, "key for operator endpoints such as /metrics (repeatable; none: the API keys)");
   return [o] { return run_serve(*o); };
 }
 

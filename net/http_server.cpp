@@ -14,6 +14,10 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
+#include "net/auth.hpp"
+#include "net/metrics.hpp"
+#include "net/ws_session.hpp"
+
 namespace troupe::net {
 
 namespace {
@@ -199,7 +203,17 @@ class server {
       http::request_parser<http::string_body> parser;
       parser.body_limit(opts_.max_body_bytes);
       stream.expires_after(idle_limit());
-      auto [ec, n] = co_await http::async_read(stream, buf, parser, nothrow);
+      auto [ec, n] = co_await http::async_read_header(stream, buf, parser, nothrow);
+      if (!ec) {  // the API key is checked before the body is read or any model work starts
+        const auto& h = parser.get();
+        if (auto denied = authorize(opts_.auth, std::string_view(h.target().data(), h.target().size()),
+                                    std::string_view(h[http::field::authorization].data(), h[http::field::authorization].size()))) {
+          co_await write_response(stream, error_response(*denied, h.version(), false));
+          co_await linger(stream);
+          co_return;
+        }
+        std::tie(ec, n) = co_await http::async_read(stream, buf, parser, nothrow);
+      }
       if (ec == http::error::body_limit) {
         co_await write_response(stream, error_response(http_error(413, "the request body exceeds " + std::to_string(opts_.max_body_bytes) +
                                                                             " bytes (--max-body-bytes)", "body_too_large"), 11, false));
@@ -214,6 +228,10 @@ class server {
       }
       stream.expires_never();
       request req = parser.release();
+      if (is_ws_upgrade(req)) {  // GET /v1/ws: the connection becomes a WebSocket (ws_session.cpp)
+        co_await run_ws_session(std::move(stream), std::move(req), ws_context_());
+        co_return;
+      }
       const bool keep = co_await dispatch(stream, req);
       if (!keep) break;
     }
@@ -252,6 +270,7 @@ class server {
   }
 
   awaitable<bool> write_response(beast::tcp_stream& stream, response res) {
+    metrics_.count_status(res.result_int());
     stream.expires_after(std::chrono::seconds(30));
     auto [ec, n] = co_await http::async_write(stream, res, nothrow);
     stream.expires_never();
@@ -272,7 +291,8 @@ class server {
     static const route routes[] = {{"/v1/completions", http::verb::post}, {"/v1/chat/completions", http::verb::post},
                                    {"/v1/models", http::verb::get},       {"/health", http::verb::get},
                                    {"/ready", http::verb::get},           {"/tokenize", http::verb::post},
-                                   {"/detokenize", http::verb::post}};
+                                   {"/detokenize", http::verb::post},     {"/metrics", http::verb::get},
+                                   {"/v1/ws", http::verb::get}};
     const route* found = nullptr;
     for (const auto& r : routes)
       if (path == r.path) found = &r;
@@ -284,8 +304,14 @@ class server {
     }
     api_error err;
     try {
+      if (path == "/v1/ws") {  // a GET without the upgrade headers
+        response res = error_response(http_error(426, "/v1/ws is a WebSocket endpoint: send an upgrade request", "upgrade_required"), ver, keep);
+        res.set(http::field::upgrade, "websocket");
+        co_return co_await write_response(stream, std::move(res));
+      }
       if (path == "/health") co_return co_await write_response(stream, json_response(http::status::ok, R"({"status":"ok"})", ver, keep));
       if (path == "/ready") co_return co_await write_response(stream, ready(ver, keep));
+      if (path == "/metrics") co_return co_await write_response(stream, metrics_response(ver, keep));
       if (path == "/v1/models") co_return co_await write_response(stream, json_response(http::status::ok, dump(api_.models_list()), ver, keep));
       const json body = json::parse(req.body(), nullptr, false);
       if (body.is_discarded()) throw api_exception(http_error(400, "the request body is not valid JSON", "invalid_json"));
@@ -313,11 +339,48 @@ class server {
     }
   }
 
+  bool is_ws_upgrade(const request& req) const {
+    std::string_view target(req.target().data(), req.target().size());
+    return target.substr(0, target.find('?')) == "/v1/ws" && beast::websocket::is_upgrade(req);
+  }
+
+  ws_context ws_context_() {
+    ws_context c;
+    c.engine = &eng_;
+    c.api = &api_;
+    c.opts = opts_.ws;
+    c.request_timeout_s = opts_.request_timeout_s;
+    c.stopping = &stopping_;
+    c.on_start = [this](const std::shared_ptr<actors::generation_stream>& s) { active_.add(s); };
+    c.on_end = [this](const std::shared_ptr<actors::generation_stream>& s) { active_.remove(s); };
+    return c;
+  }
+
+  // Prometheus text exposition 0.0.4: the HTTP-side metrics plus the engine's stats of now.
+  response metrics_response(unsigned ver, bool keep) {
+    std::optional<actors::engine_stats> st;
+    try {
+      st = eng_.stats(std::chrono::seconds(2));
+    } catch (const std::exception&) {
+      // rendered as troupe_engine_up 0
+    }
+    response res = json_response(http::status::ok, metrics_.render(st ? &*st : nullptr), ver, keep);
+    res.set(http::field::content_type, "text/plain; version=0.0.4; charset=utf-8");
+    return res;
+  }
+
   awaitable<bool> generate(beast::tcp_stream& stream, const completion_request& creq, unsigned ver, bool keep) {
     actors::generation_params gp = creq.gen;
     gp.deadline_s = opts_.request_timeout_s;
     if (stopping_) co_return co_await write_response(stream, error_response(error_for(actors::gen_error::unavailable, "the server is stopping"), ver, false));
+    request_timer timer(metrics_, (int64_t)gp.prompt.size());
     event_waiter events(co_await asio::this_coro::executor, eng_.submit(std::move(gp)), active_);
+    // Feeds the metrics as events are taken: token times, then the done or error event.
+    auto observe = [&](const actors::stream_event& e) {
+      if (e.type == actors::stream_event::kind::token) timer.on_token();
+      else if (e.type == actors::stream_event::kind::done) timer.on_done(e);
+      else timer.on_error();
+    };
     // A cancel that is not the client's own is the server stopping.
     auto failure = [this](const actors::stream_event& e) {
       if (e.error == actors::gen_error::cancelled && stopping_) return error_for(actors::gen_error::unavailable, "the server is stopping");
@@ -325,11 +388,13 @@ class server {
     };
     response_builder rb(creq, api_);
     actors::stream_event ev = co_await events.next();
+    observe(ev);
     if (ev.type == actors::stream_event::kind::error)  // refused before any token: a plain error
       co_return co_await write_response(stream, error_response(failure(ev), ver, keep));
 
     if (!creq.stream) {
-      for (;; ev = co_await events.next()) {
+      for (bool first = true;; first = false) {
+        if (!first) observe(ev = co_await events.next());
         if (ev.type == actors::stream_event::kind::token) {
           rb.add(ev);
           continue;
@@ -349,6 +414,7 @@ class server {
     head.chunked(true);
     http::response_serializer<http::empty_body> sr{head};
     stream.expires_after(idle_limit());
+    metrics_.count_status(200);
     if (auto [ec, n] = co_await http::async_write_header(stream, sr, nothrow); ec) co_return false;
     auto send = [&](const std::string& data) -> awaitable<bool> {
       if (data.empty()) co_return true;
@@ -357,7 +423,8 @@ class server {
       co_return !ec;
     };
     if (!co_await send(rb.sse_start())) co_return false;  // event_waiter's destructor cancels
-    for (;; ev = co_await events.next()) {
+    for (bool first = true;; first = false) {
+      if (!first) observe(ev = co_await events.next());
       if (ev.type == actors::stream_event::kind::token) {
         if (!co_await send(rb.sse_token(ev))) co_return false;
         continue;
@@ -381,6 +448,7 @@ class server {
   std::atomic<int> n_connections_{0};
   std::atomic<bool> stopping_{false};
   active_set active_;
+  metrics_registry metrics_;
 };
 
 }  // namespace

@@ -7,7 +7,9 @@
 #include <string>
 
 #include "actors/engine_handle.hpp"
+#include "net/auth.hpp"
 #include "net/openai_api.hpp"
+#include "net/ws_protocol.hpp"
 
 namespace troupe::net {
 
@@ -19,6 +21,8 @@ struct server_options {
   int max_connections = 256;
   double shutdown_grace_s = 5;     // on SIGINT/SIGTERM, generations in flight get this long
   int n_io_threads = 2;
+  ws_options ws;                   // GET /v1/ws (docs/websocket.md)
+  auth_config auth;                // API keys; checked from the headers, before the body is read
 };
 
 /// Listens, prints "troupe serve: listening on http://HOST:PORT" to stdout, and serves until

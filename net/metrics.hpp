@@ -76,7 +76,11 @@ class metrics_registry {
 class request_timer {
  public:
   using clock = std::chrono::steady_clock;
-  explicit request_timer(metrics_registry& m, clock::time_point submit = clock::now()) : m_(m), submit_(submit) {}
+  /// `n_prompt`: the request's prompt tokens, counted when it ends without a done event.
+  request_timer(metrics_registry& m, int64_t n_prompt, clock::time_point submit = clock::now())
+      : m_(m), n_prompt_(n_prompt), submit_(submit) {}
+  /// A generation that ended without on_done/on_error (client gone) counts like an error.
+  ~request_timer() { on_error(); }
   request_timer(const request_timer&) = delete;
   request_timer& operator=(const request_timer&) = delete;
 
@@ -84,12 +88,13 @@ class request_timer {
   void on_token(clock::time_point now = clock::now());
   /// The done event: counts its tokens and records the latencies.
   void on_done(const actors::stream_event& done, clock::time_point now = clock::now());
-  /// An error ended the generation after `n_prompt` prompt tokens: tokens already generated are
-  /// counted (their compute happened); latencies other than TTFT/ITL are not recorded.
-  void on_error(int64_t n_prompt);
+  /// An error ended the generation: when it had begun (a token came), its prompt and the tokens
+  /// generated are counted (their compute happened); E2E and queue time are not recorded.
+  void on_error();
 
  private:
   metrics_registry& m_;
+  int64_t n_prompt_ = 0;
   clock::time_point submit_, first_{}, last_{};
   int64_t n_tokens_ = 0;
   bool ended_ = false;

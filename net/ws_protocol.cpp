@@ -27,6 +27,11 @@ actors::priority_class parse_class(const json& j, const std::string& id) {
   throw ws_protocol_error(id, "invalid_request", "'priority' must be \"interactive\", \"normal\" or \"batch\"");
 }
 
+ws_protocol_error typed(ws_protocol_error e, const std::string& type) {
+  e.type = type;
+  return e;
+}
+
 ws_message parse_generate(const json& j, std::string id, const api_context& ctx) {
   const bool has_prompt = j.contains("prompt"), has_messages = j.contains("messages");
   if (has_prompt == has_messages)
@@ -42,7 +47,7 @@ ws_message parse_generate(const json& j, std::string id, const api_context& ctx)
   } catch (const api_exception& e) {
     ws_protocol_error err(id, e.err.code.empty() ? "invalid_request" : e.err.code, e.err.message);
     err.param = e.err.param;
-    throw err;
+    throw typed(err, "generate");
   }
   m.cls = m.req.gen.cls;
   m.id = std::move(id);
@@ -63,14 +68,23 @@ ws_message parse_ws_message(std::string_view text, const api_context& ctx) {
   if (type != "generate" && type != "cancel" && type != "priority")
     throw ws_protocol_error(j.contains("id") && j["id"].is_string() ? j["id"].get<std::string>() : "", "unknown_type",
                             "unknown message type '" + type + "' (generate, cancel, priority)");
-  std::string id = parse_id(j);
-  if (type == "generate") return parse_generate(j, std::move(id), ctx);
+  std::string id;
+  try {
+    id = parse_id(j);
+    if (type == "generate") return parse_generate(j, id, ctx);
+  } catch (const ws_protocol_error& e) {
+    throw typed(e, type);
+  }
   ws_message m;
   if (type == "cancel") {
     m.type = ws_message::kind::cancel;
   } else {
     m.type = ws_message::kind::priority;
-    m.cls = parse_class(j, id);
+    try {
+      m.cls = parse_class(j, id);
+    } catch (const ws_protocol_error& e) {
+      throw typed(e, type);
+    }
   }
   m.id = std::move(id);
   return m;
@@ -91,8 +105,10 @@ std::string ws_done(const std::string& id, const actors::stream_event& done) {
   return dump(j);
 }
 
-std::string ws_error(const std::string& id, const std::string& code, const std::string& message, const std::string& param) {
-  json j{{"type", "error"}, {"id", id.empty() ? json(nullptr) : json(id)}, {"code", code}, {"message", message}};
+std::string ws_error(const std::string& id, const std::string& code, const std::string& message, bool final,
+                     const std::string& param) {
+  json j{{"type", "error"}, {"id", id.empty() ? json(nullptr) : json(id)}, {"code", code}, {"message", message},
+         {"final", final && !id.empty()}};
   if (!param.empty()) j["param"] = param;
   return dump(j);
 }
@@ -100,7 +116,7 @@ std::string ws_error(const std::string& id, const std::string& code, const std::
 std::string ws_engine_error(const std::string& id, actors::gen_error e, const std::string& message) {
   const api_error err = error_for(e, message);
   json j{{"type", "error"}, {"id", id}, {"code", err.code.empty() ? err.type : err.code}, {"message", err.message},
-         {"status", err.status}};
+         {"final", true}, {"status", err.status}};
   return dump(j);
 }
 

@@ -9,7 +9,7 @@ cd "$root"
 
 apt_pkgs=(build-essential cmake ninja-build pkg-config python3-venv
           libcaf-dev libboost1.81-dev libboost-json1.81-dev catch2
-          libutf8proc-dev nlohmann-json3-dev libcli11-dev)
+          libutf8proc-dev nlohmann-json3-dev libcli11-dev libtomlplusplus-dev)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
