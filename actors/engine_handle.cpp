@@ -59,6 +59,21 @@ void generation_stream::cancel() {
   if (c) c();
 }
 
+void generation_stream::set_priority(priority_class cls, int32_t priority) {
+  std::function<void(priority_class, int32_t)> f;
+  {
+    std::lock_guard lk(mu_);
+    if (final_pushed_) return;
+    f = reprioritizer_;
+  }
+  if (f) f(cls, priority);
+}
+
+void generation_stream::set_reprioritizer(std::function<void(priority_class, int32_t)> fn) {
+  std::lock_guard lk(mu_);
+  reprioritizer_ = std::move(fn);
+}
+
 void generation_stream::set_notify(std::function<void()> fn) {
   std::lock_guard lk(mu_);
   notify_ = std::move(fn);
@@ -126,6 +141,9 @@ std::shared_ptr<generation_stream> engine_handle::submit(generation_params param
   // request actor (which then tells the scheduler with high priority).
   auto req = impl_->sys->spawn(request_actor, impl_->scheduler, impl_->model, std::move(params), id, stream);
   stream->set_canceller([req] { caf::anon_send<caf::message_priority::high>(req, cancel_atom::value); }, id);
+  stream->set_reprioritizer([req](priority_class cls, int32_t p) {
+    caf::anon_send<caf::message_priority::high>(req, priority_atom::value, cls, p);
+  });
   return stream;
 }
 

@@ -69,6 +69,9 @@ class generation_stream {
   std::optional<stream_event> next(std::chrono::milliseconds timeout);
   /// Stops the generation (client gone); a final error event `cancelled` follows if none came.
   void cancel();
+  /// Changes the generation's class and priority while it waits or runs (the scheduler orders and
+  /// preempts by the new values from its next step on).
+  void set_priority(priority_class cls, int32_t priority);
   /// Called (from an actor thread) after each push; set before events may arrive, i.e. right
   /// after submit() only if the caller tolerates a missed first wake-up — prefer next().
   void set_notify(std::function<void()> fn);
@@ -78,6 +81,7 @@ class generation_stream {
   // Producer side (the request actor).
   void push(stream_event ev);
   void set_canceller(std::function<void()> fn, uint64_t id);
+  void set_reprioritizer(std::function<void(priority_class, int32_t)> fn);
 
  private:
   mutable std::mutex mu_;
@@ -86,6 +90,7 @@ class generation_stream {
   size_t capacity_;
   bool final_pushed_ = false, final_taken_ = false;
   std::function<void()> notify_, canceller_;
+  std::function<void(priority_class, int32_t)> reprioritizer_;
   uint64_t id_ = 0;
 };
 

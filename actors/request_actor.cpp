@@ -125,6 +125,9 @@ caf::behavior request_actor(caf::event_based_actor* self, caf::actor scheduler, 
         finish_with(std::move(done));
       },
       [=](failed_atom, uint64_t, gen_error e, const std::string& why) { finish_with(error_event(e, why)); },
+      [=](priority_atom, priority_class cls, int32_t priority) {
+        self->send<caf::message_priority::high>(scheduler, priority_atom::value, id, cls, priority);
+      },
       [=](cancel_atom) { cancel_and_finish(error_event(gen_error::cancelled, "cancelled by the client")); },
       [=](deadline_atom) { cancel_and_finish(error_event(gen_error::deadline, "the request deadline passed")); },
   };

@@ -12,6 +12,7 @@
 //   supervisor --[h] circuit-->                 scheduler   too many restarts: fail everything
 //   anyone   --[h] stats-->                     scheduler   replies engine_stats
 //   anyone   --[h] drain-->                     scheduler   refuse new work; replies true when empty
+//   client   --[h] priority(cls, p)-->          request --[h] priority(seq, cls, p)--> scheduler
 // The scheduler monitors request actors (a down request = cancel) and treats a failed or timed
 // out step as a lost executor: every sequence is requeued for recompute, none fails.
 #pragma once
@@ -41,6 +42,7 @@ using tick_atom = caf::atom_constant<caf::atom("tick")>;
 using fault_atom = caf::atom_constant<caf::atom("fault")>;
 using deadline_atom = caf::atom_constant<caf::atom("deadline")>;
 using drain_atom = caf::atom_constant<caf::atom("drain")>;
+using priority_atom = caf::atom_constant<caf::atom("priority")>;
 
 /// What a request actor submits: the scheduler's spec plus what the executor needs to sample.
 struct request_msg {
@@ -122,3 +124,4 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::stats_reply)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::admission)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::finish_reason)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::gen_error)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::priority_class)

@@ -205,6 +205,10 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
         forget(self, id);
         maybe_step(self);
       },
+      [=](priority_atom, uint64_t id, priority_class cls, int32_t priority) {
+        self->state.core->set_priority(id, cls, priority);
+        maybe_step(self);
+      },
       [=](executor_atom, caf::actor& e) {
         auto& s = self->state;
         if (s.executor) {  // a replacement while one is believed alive: the old one is gone

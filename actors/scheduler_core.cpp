@@ -125,6 +125,14 @@ std::vector<uint64_t> scheduler_core::on_executor_lost(double now) {
   return lost;
 }
 
+bool scheduler_core::set_priority(uint64_t id, priority_class cls, int32_t priority) {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return false;
+  it->second.req.cls = cls;
+  it->second.req.priority = priority;
+  return true;
+}
+
 batch_entry scheduler_core::make_entry(const sequence& s, int32_t n_tokens) const {
   batch_entry e;
   e.seq = s.req.id;

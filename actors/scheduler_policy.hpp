@@ -185,6 +185,9 @@ class scheduler_core {
   /// Drops a request in any state and frees its blocks now. Its entry in a step in flight is
   /// ignored when the step returns. False when the id is unknown (finished or never added).
   bool cancel(uint64_t id);
+  /// Changes a request's class and priority in any state; the next decide() orders it (and judges
+  /// preemption) by the new values. False when the id is unknown.
+  bool set_priority(uint64_t id, priority_class cls, int32_t priority);
 
   /// The planning function: what the next step would do, changing nothing.
   step_decision decide(double now) const;

@@ -284,3 +284,35 @@ TEST_CASE("only computed blocks are shared with a later request", "[scheduler]")
   d.require_reference(2);
   d.require_drained();
 }
+
+TEST_CASE("set_priority reorders a waiting request", "[scheduler]") {
+  troupe::engine::block_manager kv(4, 64, 0);
+  scheduler_config cfg;
+  cfg.max_num_seqs = 1;
+  cfg.aging_s = 0;
+  scheduler_core core(cfg, kv);
+  auto req = [](uint64_t id, priority_class cls) {
+    request_spec r;
+    r.id = id;
+    r.prompt = {1, 2, 3};
+    r.max_tokens = 1;
+    r.cls = cls;
+    return r;
+  };
+  REQUIRE(core.add(req(1, priority_class::normal), 0).ok());
+  REQUIRE(core.add(req(2, priority_class::batch), 0).ok());
+  REQUIRE(core.add(req(3, priority_class::normal), 0).ok());
+  REQUIRE(core.set_priority(2, priority_class::interactive, 0));
+  REQUIRE_FALSE(core.set_priority(99, priority_class::interactive, 0));
+  std::vector<uint64_t> order;
+  for (int step = 0; step < 3; ++step) {
+    auto plan = core.schedule(step);
+    REQUIRE(plan.batch.size() == 1);
+    order.push_back(plan.batch[0].seq);
+    std::vector<token_result> res{{plan.batch[0].seq, 7, false}};
+    core.on_step_done(res, step);
+  }
+  CHECK(order == std::vector<uint64_t>{2, 1, 3});  // the promoted batch request first, then FIFO
+  CHECK(core.check().empty());
+  CHECK(kv.n_free_device() + kv.n_cached() == kv.n_device());
+}

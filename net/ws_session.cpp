@@ -162,8 +162,9 @@ class session : public std::enable_shared_from_this<session> {
         return;
       case ws_message::kind::priority:
         if (it == gens_.end()) return enqueue(ws_error(m.id, "unknown_id", "no generation with id '" + m.id + "' is running", false));
-        it->second.cls = m.cls;  // recorded; the engine cannot re-prioritise a submitted generation
-        return enqueue(ws_priority_ack(m.id, m.cls, false));
+        it->second.cls = m.cls;
+        it->second.stream->set_priority(m.cls, 0);  // the scheduler orders it by the new class from its next step
+        return enqueue(ws_priority_ack(m.id, m.cls, true));
     }
   }
 

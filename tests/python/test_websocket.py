@@ -207,7 +207,7 @@ def test_priority_change_accepted(server):
         ws.send(json.dumps({"type": "priority", "id": "p", "priority": "urgent"}))
         ws.send(json.dumps({"type": "priority", "id": "nobody", "priority": "batch"}))
         got, other = collect(ws, ["p"])
-    assert {"type": "priority", "id": "p", "priority": "interactive", "applied": False} in other
+    assert {"type": "priority", "id": "p", "priority": "interactive", "applied": True} in other
     codes = sorted(m["code"] for m in other if m["type"] == "error")
     assert codes == ["invalid_request", "unknown_id"], other
     texts, _, final = got["p"]
