@@ -19,19 +19,12 @@ import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-MODEL = ROOT / "models" / "default.gguf"
-TROUPE = os.environ.get("TROUPE_BIN", str(ROOT / "build" / "troupe"))
+from serve_util import MODEL, ROOT, TROUPE, free_port, stop  # noqa: E402,F401
 API_KEY, ADMIN_KEY = "k1", "adm"
 
 pytestmark = pytest.mark.skipif(not (pathlib.Path(TROUPE).exists() and MODEL.exists()),
                                 reason="needs build/troupe and models/default.gguf")
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def request(port, method, path, body=None, key=None, timeout=60):
@@ -71,14 +64,7 @@ def start_server(args, stderr_path):
     pytest.fail("troupe serve did not answer /health")
 
 
-def stop_server(proc):
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+stop_server = stop
 
 
 # --- a strict parser of the Prometheus text exposition format 0.0.4 -------------------------------

@@ -21,20 +21,13 @@ websockets = pytest.importorskip("websockets")
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-MODEL = ROOT / "models" / "default.gguf"
-TROUPE = os.environ.get("TROUPE_BIN", str(ROOT / "build" / "troupe"))
+from serve_util import MODEL, ROOT, TROUPE, free_port, running_server  # noqa: E402,F401
 
 pytestmark = pytest.mark.skipif(not (pathlib.Path(TROUPE).exists() and MODEL.exists()),
                                 reason="needs build/troupe and models/default.gguf")
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def request(port, method, path, body=None, timeout=60):
@@ -49,31 +42,8 @@ def request(port, method, path, body=None, timeout=60):
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    proc = subprocess.Popen([TROUPE, "serve", "--host", "127.0.0.1", "--port", str(port), "-t", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail("troupe serve exited: " + proc.stdout.read())
-            try:
-                if request(port, "GET", "/health", timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("troupe serve did not answer /health within 60 s")
-            time.sleep(0.1)
+    with running_server() as (port, proc):
         yield port, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def url(port):
