@@ -188,6 +188,10 @@ class server {
   }
 
   awaitable<void> session(tcp::socket sock) {
+    // Tokens are small writes that must leave at once: without TCP_NODELAY, Nagle holds the first
+    // SSE event behind the response header until the client's delayed ACK (~40 ms of TTFT).
+    boost::system::error_code nd_ec;
+    sock.set_option(tcp::no_delay(true), nd_ec);
     beast::tcp_stream stream(std::move(sock));
     const int n_open = ++n_connections_;
     struct counter {
