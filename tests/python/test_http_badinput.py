@@ -3,12 +3,11 @@ server keeps serving everyone else."""
 import concurrent.futures
 import http.client
 import json
+import pathlib
 import socket
 import time
 
 import pytest
-
-import pathlib
 
 from serve_util import MODEL, TROUPE, running_server
 
