@@ -110,13 +110,6 @@ def troupe_generate(model: Path, tokens: list[int], n: int) -> list[int]:
 
 # ---- models and cached reference results -------------------------------------------------------
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("tiny_models")
-    gen_tiny_model.write_all(d)
-    return d
-
-
 @functools.lru_cache(maxsize=None)
 def _ref(path: str) -> lr.RefModel:
     dtype = np.float32 if Path(path) == DEFAULT_MODEL else np.float64

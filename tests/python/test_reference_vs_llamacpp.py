@@ -66,13 +66,6 @@ def _llama_greedy(llm, tokens, n: int) -> list[int]:
     return out
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("tiny_models")
-    gen_tiny_model.write_all(d)
-    return d
-
-
 _cache: dict = {}
 
 
