@@ -94,6 +94,13 @@ const std::vector<key_spec>& keys() {
       {"server", "max_connections", int_key(&server_config::max_connections)},
       {"server", "shutdown_grace_s", double_key(&server_config::shutdown_grace_s)},
       {"server", "io_threads", int_key(&server_config::n_io_threads)},
+      {"server", "max_n", int_key(&server_config::max_n)},
+      {"websocket", "max_message_bytes", int_key(&server_config::ws_max_message_bytes)},
+      {"websocket", "max_queue_bytes", int_key(&server_config::ws_max_queue_bytes)},
+      {"websocket", "send_timeout_s", double_key(&server_config::ws_send_timeout_s)},
+      {"websocket", "max_generations", int_key(&server_config::ws_max_generations)},
+      {"websocket", "idle_timeout_s", double_key(&server_config::ws_idle_timeout_s)},
+      {"websocket", "send_buffer_bytes", int_key(&server_config::ws_send_buffer_bytes)},
       {"engine", "model",
        [](const toml::node& n, server_config& c) -> std::string {
          const auto v = n.value_exact<std::string>();
@@ -183,6 +190,20 @@ std::string validate(const server_config& c) {
   if (!(c.shutdown_grace_s >= 0) || !std::isfinite(c.shutdown_grace_s))
     return range_error("server.shutdown_grace_s", "--shutdown-grace-s", ">= 0", num(c.shutdown_grace_s));
   if (c.n_io_threads < 1 || c.n_io_threads > 256) return range_error("server.io_threads", "--io-threads", "in [1, 256]", std::to_string(c.n_io_threads));
+  if (c.max_n < 1 || c.max_n > 128) return range_error("server.max_n", "--max-n", "in [1, 128]", std::to_string(c.max_n));
+
+  if (c.ws_max_message_bytes < 64 || c.ws_max_message_bytes > (int64_t(1) << 30))
+    return range_error("websocket.max_message_bytes", "--ws-max-message-bytes", "in [64, 1073741824]", std::to_string(c.ws_max_message_bytes));
+  if (c.ws_max_queue_bytes < 1024 || c.ws_max_queue_bytes > (int64_t(1) << 30))
+    return range_error("websocket.max_queue_bytes", "--ws-max-queue-bytes", "in [1024, 1073741824]", std::to_string(c.ws_max_queue_bytes));
+  if (!(c.ws_send_timeout_s > 0) || !std::isfinite(c.ws_send_timeout_s))
+    return range_error("websocket.send_timeout_s", "--ws-send-timeout-s", "> 0", num(c.ws_send_timeout_s));
+  if (c.ws_max_generations < 1 || c.ws_max_generations > 65536)
+    return range_error("websocket.max_generations", "--ws-max-generations", "in [1, 65536]", std::to_string(c.ws_max_generations));
+  if (!(c.ws_idle_timeout_s > 0) || !std::isfinite(c.ws_idle_timeout_s))
+    return range_error("websocket.idle_timeout_s", "--ws-idle-timeout-s", "> 0", num(c.ws_idle_timeout_s));
+  if (c.ws_send_buffer_bytes < 0 || c.ws_send_buffer_bytes > (int64_t(1) << 30))
+    return range_error("websocket.send_buffer_bytes", "--ws-send-buffer-bytes", "in [0, 1073741824] (0: the system's)", std::to_string(c.ws_send_buffer_bytes));
 
   const engine_config& e = c.engine;
   if (e.n_threads < 0 || e.n_threads > 1024) return range_error("engine.threads", "--threads", "in [0, 1024] (0: automatic)", std::to_string(e.n_threads));
@@ -221,7 +242,11 @@ std::string describe(const server_config& c) {
   o << "[server]\n"
     << "host = " << quote(c.host) << "\nport = " << c.port << "\nmax_body_bytes = " << c.max_body_bytes
     << "\nrequest_timeout_s = " << num(c.request_timeout_s) << "\nmax_connections = " << c.max_connections
-    << "\nshutdown_grace_s = " << num(c.shutdown_grace_s) << "\nio_threads = " << c.n_io_threads << "\n"
+    << "\nshutdown_grace_s = " << num(c.shutdown_grace_s) << "\nio_threads = " << c.n_io_threads << "\nmax_n = " << c.max_n << "\n"
+    << "[websocket]\n"
+    << "max_message_bytes = " << c.ws_max_message_bytes << "\nmax_queue_bytes = " << c.ws_max_queue_bytes
+    << "\nsend_timeout_s = " << num(c.ws_send_timeout_s) << "\nmax_generations = " << c.ws_max_generations
+    << "\nidle_timeout_s = " << num(c.ws_idle_timeout_s) << "\nsend_buffer_bytes = " << c.ws_send_buffer_bytes << "\n"
     << "[engine]\n"
     << "model = " << quote(e.model_path) << "\nthreads = " << e.n_threads << "\nctx_size = " << e.n_ctx
     << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\nkv_mb = " << c.kv_mb << "\n"

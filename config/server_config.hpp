@@ -34,6 +34,15 @@ struct server_config {
   int64_t max_connections = 256;      // open connections at most (503 beyond)
   double shutdown_grace_s = 5;        // generations in flight may finish this long on SIGTERM
   int64_t n_io_threads = 2;           // HTTP I/O threads
+  int64_t max_n = 16;                 // choices per request ("n") at most
+
+  // [websocket]  (GET /v1/ws, docs/websocket.md)
+  int64_t ws_max_message_bytes = 1 << 20;  // largest client message (close 1009 beyond)
+  int64_t ws_max_queue_bytes = 1 << 20;    // outgoing queue per socket: at this size it stops reading
+  double ws_send_timeout_s = 30;           // a frame write blocked this long: close 1008
+  int64_t ws_max_generations = 64;         // live generations per socket
+  double ws_idle_timeout_s = 300;          // nothing from the client this long: closed (ping at half)
+  int64_t ws_send_buffer_bytes = 0;        // SO_SNDBUF of the socket; 0: the system's
 
   // [engine]  (model_path, n_threads, n_ctx, kv_block_size, n_batch; max_kv_bytes is unused:
   // the serve cache size is kv_mb)

@@ -44,6 +44,10 @@ TEST_CASE("server_config: an empty file gives the documented defaults, which val
   CHECK(c.max_waiting == 1024);
   CHECK(c.queue_timeout_s == 0);
   CHECK(c.preemption == "swap");
+  CHECK(c.max_n == 16);
+  CHECK(c.ws_max_queue_bytes == (1 << 20));
+  CHECK(c.ws_send_timeout_s == 30);
+  CHECK(c.ws_max_generations == 64);
   CHECK(c.api_keys.empty());
   CHECK(c.admin_api_keys.empty());
   CHECK(validate(c).empty());
@@ -131,6 +135,13 @@ TEST_CASE("server_config: out-of-range values are named by validate()", "[config
       {"[server]\nshutdown_grace_s = -1", "server.shutdown_grace_s"},
       {"[server]\nio_threads = 0", "server.io_threads"},
       {"[server]\nhost = \"\"", "server.host"},
+      {"[server]\nmax_n = 0", "server.max_n (--max-n) must be in [1, 128], got 0"},
+      {"[websocket]\nmax_queue_bytes = 10", "websocket.max_queue_bytes (--ws-max-queue-bytes)"},
+      {"[websocket]\nsend_timeout_s = 0", "websocket.send_timeout_s (--ws-send-timeout-s) must be > 0"},
+      {"[websocket]\nmax_generations = 0", "websocket.max_generations"},
+      {"[websocket]\nidle_timeout_s = -1", "websocket.idle_timeout_s"},
+      {"[websocket]\nmax_message_bytes = 1", "websocket.max_message_bytes"},
+      {"[websocket]\nsend_buffer_bytes = -1", "websocket.send_buffer_bytes"},
       {"[engine]\nthreads = -2", "engine.threads (--threads)"},
       {"[engine]\nctx_size = -1", "engine.ctx_size"},
       {"[engine]\nkv_block_size = 24", "engine.kv_block_size (--kv-block-size) must be a power of two"},
@@ -154,13 +165,14 @@ TEST_CASE("server_config: out-of-range values are named by validate()", "[config
 }
 
 TEST_CASE("server_config: describe() redacts API keys and round-trips through parse_toml", "[config]") {
-  server_config c = parse_toml("[server]\nport = 1234\n[auth]\napi_keys = [\"secret-one\", \"secret-two\"]\nadmin_api_keys = [\"adm1n\"]\n");
+  server_config c = parse_toml("[server]\nport = 1234\n[websocket]\nsend_timeout_s = 2.5\n[auth]\napi_keys = [\"secret-one\", \"secret-two\"]\nadmin_api_keys = [\"adm1n\"]\n");
   const std::string d = describe(c);
   CHECK_FALSE(contains(d, "secret"));
   CHECK_FALSE(contains(d, "adm1n"));
   CHECK(contains(d, "api_keys = [\"***\", \"***\"]"));
   const server_config back = parse_toml(d);
   CHECK(back.port == 1234);
+  CHECK(back.ws_send_timeout_s == 2.5);
   CHECK(back.api_keys.size() == 2);
 }
 

@@ -42,7 +42,10 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
   static const std::vector<std::pair<std::string, apply_fn>> v = {
       field("--host", &c::host), field("--port", &c::port), field("--max-body-bytes", &c::max_body_bytes),
       field("--request-timeout-s", &c::request_timeout_s), field("--max-connections", &c::max_connections),
-      field("--shutdown-grace-s", &c::shutdown_grace_s), field("--io-threads", &c::n_io_threads),
+      field("--shutdown-grace-s", &c::shutdown_grace_s), field("--io-threads", &c::n_io_threads), field("--max-n", &c::max_n),
+      field("--ws-max-message-bytes", &c::ws_max_message_bytes), field("--ws-max-queue-bytes", &c::ws_max_queue_bytes),
+      field("--ws-send-timeout-s", &c::ws_send_timeout_s), field("--ws-max-generations", &c::ws_max_generations),
+      field("--ws-idle-timeout-s", &c::ws_idle_timeout_s), field("--ws-send-buffer-bytes", &c::ws_send_buffer_bytes),
       engine_field("--model", &e::model_path), engine_field("--threads", &e::n_threads), engine_field("--ctx-size", &e::n_ctx),
       engine_field("--kv-block-size", &e::kv_block_size), engine_field("--batch-size", &e::n_batch), field("--kv-mb", &c::kv_mb),
       field("--max-num-seqs", &c::max_num_seqs), field("--max-waiting", &c::max_waiting),
@@ -79,6 +82,12 @@ int run_serve(serve_opts& o) {
   http.max_connections = (int)c.max_connections;
   http.shutdown_grace_s = c.shutdown_grace_s;
   http.n_io_threads = (int)c.n_io_threads;
+  http.ws.max_message_bytes = (size_t)c.ws_max_message_bytes;
+  http.ws.max_queue_bytes = (size_t)c.ws_max_queue_bytes;
+  http.ws.send_timeout_s = c.ws_send_timeout_s;
+  http.ws.max_generations = (int)c.ws_max_generations;
+  http.ws.idle_timeout_s = c.ws_idle_timeout_s;
+  http.ws.send_buffer_bytes = (int)c.ws_send_buffer_bytes;
   http.auth.api_keys = c.api_keys;
   http.auth.admin_api_keys = c.admin_api_keys;
 
@@ -108,6 +117,7 @@ int run_serve(serve_opts& o) {
   int64_t limit = std::min<int64_t>(m.hparams().n_ctx_train, (int64_t)st.n_device_blocks * ec.kv_block_size);
   if (ec.n_ctx > 0) limit = std::min<int64_t>(limit, ec.n_ctx);
   api.max_model_len = limit;
+  api.max_n = (int32_t)c.max_n;
   const std::string src = m.file().get_string("tokenizer.chat_template").value_or("");
   const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : "";
   const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : "";
@@ -139,6 +149,13 @@ action add_serve(CLI::App& app) {
   cmd->add_option("--max-connections", f.max_connections, "open connections at most (503 beyond)")->capture_default_str();
   cmd->add_option("--shutdown-grace-s", f.shutdown_grace_s, "on SIGINT/SIGTERM, how long generations in flight may finish")->capture_default_str();
   cmd->add_option("--io-threads", f.n_io_threads, "HTTP I/O threads")->capture_default_str();
+  cmd->add_option("--max-n", f.max_n, "choices per request (\"n\") at most")->capture_default_str();
+  cmd->add_option("--ws-max-message-bytes", f.ws_max_message_bytes, "WebSocket: largest client message (close 1009 beyond)")->capture_default_str();
+  cmd->add_option("--ws-max-queue-bytes", f.ws_max_queue_bytes, "WebSocket: outgoing queue per socket before backpressure")->capture_default_str();
+  cmd->add_option("--ws-send-timeout-s", f.ws_send_timeout_s, "WebSocket: a write blocked this long closes the socket (1008)")->capture_default_str();
+  cmd->add_option("--ws-max-generations", f.ws_max_generations, "WebSocket: live generations per socket")->capture_default_str();
+  cmd->add_option("--ws-idle-timeout-s", f.ws_idle_timeout_s, "WebSocket: idle socket closed after this long (ping at half)")->capture_default_str();
+  cmd->add_option("--ws-send-buffer-bytes", f.ws_send_buffer_bytes, "WebSocket: SO_SNDBUF of the socket (0: the system's)")->capture_default_str();
   cmd->add_option("--api-key", f.api_keys, "API key clients send as 'Authorization: Bearer KEY' (repeatable; none: open)");
   cmd->add_option("--admin-api-key", f.admin_api_keys, "key for operator endpoints such as /metrics (repeatable; none: the API keys)");
   return [o] { return run_serve(*o); };

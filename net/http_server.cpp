@@ -2,11 +2,15 @@
 // a generation's events are awaited through a timer the stream's notify callback cancels.
 #include "net/http_server.hpp"
 
+#include <sys/socket.h>
+
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -64,36 +68,75 @@ class active_set {
   std::set<std::shared_ptr<actors::generation_stream>> set_;
 };
 
-// The stream's notify callback (an actor thread) marks `pending` and cancels the timer through
+// Awaits the events of a request's generations (one per choice) without blocking the thread.
+// Each stream's notify callback (an actor thread) marks `pending` and cancels the timer through
 // the connection's strand, so a push between "queue empty" and "wait" is never lost: either the
-// flag is seen before waiting, or the posted cancel runs after the wait began.
+// flag is seen before waiting, or the posted cancel runs after the wait began. The destructor
+// cancels every generation that has not finished (client gone, error, server stopping).
 class event_waiter {
  public:
-  event_waiter(asio::any_io_executor ex, std::shared_ptr<actors::generation_stream> s, active_set& active)
-      : stream_(std::move(s)), state_(std::make_shared<shared>(ex)), active_(active) {
-    active_.add(stream_);
-    stream_->set_notify([st = state_] {
-      std::lock_guard lk(st->mu);
-      if (!st->alive) return;
-      st->pending = true;
-      asio::post(st->timer.get_executor(), [st] { st->timer.cancel(); });
-    });
+  struct item {
+    int32_t index;  // which stream (choice)
+    actors::stream_event ev;
+  };
+
+  event_waiter(asio::any_io_executor ex, std::vector<std::shared_ptr<actors::generation_stream>> s, active_set& active)
+      : streams_(std::move(s)), state_(std::make_shared<shared>(ex)), active_(active) {
+    for (auto& st : streams_) {
+      active_.add(st);
+      st->set_notify([sh = state_] { shared::wake(sh); });
+    }
   }
   ~event_waiter() {
-    stream_->set_notify(nullptr);
     {
       std::lock_guard lk(state_->mu);
       state_->alive = false;
     }
-    if (!stream_->finished()) stream_->cancel();  // client gone or server stopping: free the KV
-    active_.remove(stream_);
+    for (auto& st : streams_) {
+      st->set_notify(nullptr);
+      if (!st->finished()) st->cancel();  // client gone or server stopping: free the KV
+      active_.remove(st);
+    }
   }
   event_waiter(const event_waiter&) = delete;
   event_waiter& operator=(const event_waiter&) = delete;
 
-  awaitable<actors::stream_event> next() {
+  /// Watches `sock` for the client going away (EOF or reset) while the response is produced:
+  /// next() then returns nullopt at once. Bytes of a pipelined next request end the watch.
+  void watch_client(tcp::socket& sock) {
+    sock.async_wait(tcp::socket::wait_read, [sh = state_, fd = sock.native_handle()](const boost::system::error_code& ec) {
+      if (ec) return;
+      {
+        std::lock_guard lk(sh->mu);
+        if (!sh->alive) return;  // the request is over; the socket may be serving the next one
+      }
+      char c;
+      const ssize_t r = ::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        sh->client_gone = true;
+        shared::wake(sh);
+      }
+    });
+  }
+
+  bool client_gone() const { return state_->client_gone; }
+
+  /// The next event of any stream (round robin over those not finished), or nullopt when the
+  /// client went away or every stream has delivered its final event.
+  awaitable<std::optional<item>> next() {
     for (;;) {
-      if (auto ev = stream_->next(std::chrono::milliseconds(0))) co_return std::move(*ev);
+      if (state_->client_gone) co_return std::nullopt;
+      bool open = false;
+      for (size_t k = 0; k < streams_.size(); ++k) {
+        const size_t i = (rr_ + k) % streams_.size();
+        if (streams_[i]->finished()) continue;
+        open = true;
+        if (auto ev = streams_[i]->next(std::chrono::milliseconds(0))) {
+          rr_ = i + 1;
+          co_return item{(int32_t)i, std::move(*ev)};
+        }
+      }
+      if (!open) co_return std::nullopt;
       {
         std::lock_guard lk(state_->mu);
         if (std::exchange(state_->pending, false)) continue;
@@ -106,13 +149,21 @@ class event_waiter {
  private:
   struct shared {
     explicit shared(asio::any_io_executor ex) : timer(ex) {}
+    static void wake(const std::shared_ptr<shared>& sh) {
+      std::lock_guard lk(sh->mu);
+      if (!sh->alive) return;
+      sh->pending = true;
+      asio::post(sh->timer.get_executor(), [sh] { sh->timer.cancel(); });
+    }
     std::mutex mu;
     bool alive = true, pending = false;
+    std::atomic<bool> client_gone{false};
     asio::steady_timer timer;
   };
-  std::shared_ptr<actors::generation_stream> stream_;
+  std::vector<std::shared_ptr<actors::generation_stream>> streams_;
   std::shared_ptr<shared> state_;
   active_set& active_;
+  size_t rr_ = 0;
 };
 
 // --- the server --------------------------------------------------------------------------------
@@ -314,8 +365,8 @@ class server {
         co_return co_await write_response(stream, std::move(res));
       }
       if (path == "/health") co_return co_await write_response(stream, json_response(http::status::ok, R"({"status":"ok"})", ver, keep));
-      if (path == "/ready") co_return co_await write_response(stream, ready(ver, keep));
-      if (path == "/metrics") co_return co_await write_response(stream, metrics_response(ver, keep));
+      if (path == "/ready") co_return co_await write_response(stream, co_await ready(ver, keep));
+      if (path == "/metrics") co_return co_await write_response(stream, co_await metrics_response(ver, keep));
       if (path == "/v1/models") co_return co_await write_response(stream, json_response(http::status::ok, dump(api_.models_list()), ver, keep));
       const json body = json::parse(req.body(), nullptr, false);
       if (body.is_discarded()) throw api_exception(http_error(400, "the request body is not valid JSON", "invalid_json"));
@@ -331,16 +382,24 @@ class server {
     co_return co_await write_response(stream, error_response(err, ver, keep));  // no co_await inside a handler
   }
 
-  response ready(unsigned ver, bool keep) {
+  // The engine's stats, asked on the blocking pool so no I/O thread waits on the scheduler.
+  awaitable<std::pair<std::optional<actors::engine_stats>, std::string>> engine_stats() {
     try {
-      const auto st = eng_.stats(std::chrono::seconds(2));
-      const bool ok = st.executor_alive && !st.circuit_open;
-      json j{{"status", ok ? "ready" : "unavailable"}, {"running", st.n_running}, {"waiting", st.n_waiting},
-             {"executor_alive", st.executor_alive}, {"circuit_open", st.circuit_open}};
-      return json_response(ok ? http::status::ok : http::status::service_unavailable, dump(j), ver, keep);
+      auto st = co_await asio::co_spawn(
+          blocking_, [this]() -> awaitable<actors::engine_stats> { co_return eng_.stats(std::chrono::seconds(2)); }, asio::use_awaitable);
+      co_return std::pair{std::optional(std::move(st)), std::string()};
     } catch (const std::exception& e) {
-      return error_response(http_error(503, std::string("the engine does not answer: ") + e.what(), "unavailable"), ver, keep);
+      co_return std::pair{std::optional<actors::engine_stats>(), std::string(e.what())};
     }
+  }
+
+  awaitable<response> ready(unsigned ver, bool keep) {
+    auto [st, err] = co_await engine_stats();
+    if (!st) co_return error_response(http_error(503, "the engine does not answer: " + err, "unavailable"), ver, keep);
+    const bool ok = st->executor_alive && !st->circuit_open;
+    json j{{"status", ok ? "ready" : "unavailable"}, {"running", st->n_running}, {"waiting", st->n_waiting},
+           {"executor_alive", st->executor_alive}, {"circuit_open", st->circuit_open}};
+    co_return json_response(ok ? http::status::ok : http::status::service_unavailable, dump(j), ver, keep);
   }
 
   bool is_ws_upgrade(const request& req) const {
@@ -355,35 +414,38 @@ class server {
     c.opts = opts_.ws;
     c.request_timeout_s = opts_.request_timeout_s;
     c.stopping = &stopping_;
+    c.metrics = &metrics_;
     c.on_start = [this](const std::shared_ptr<actors::generation_stream>& s) { active_.add(s); };
     c.on_end = [this](const std::shared_ptr<actors::generation_stream>& s) { active_.remove(s); };
     return c;
   }
 
   // Prometheus text exposition 0.0.4: the HTTP-side metrics plus the engine's stats of now.
-  response metrics_response(unsigned ver, bool keep) {
-    std::optional<actors::engine_stats> st;
-    try {
-      st = eng_.stats(std::chrono::seconds(2));
-    } catch (const std::exception&) {
-      // rendered as troupe_engine_up 0
-    }
+  awaitable<response> metrics_response(unsigned ver, bool keep) {
+    auto [st, err] = co_await engine_stats();  // no answer: rendered as troupe_engine_up 0
     response res = json_response(http::status::ok, metrics_.render(st ? &*st : nullptr), ver, keep);
     res.set(http::field::content_type, "text/plain; version=0.0.4; charset=utf-8");
-    return res;
+    co_return res;
   }
 
   awaitable<bool> generate(beast::tcp_stream& stream, const completion_request& creq, unsigned ver, bool keep) {
-    actors::generation_params gp = creq.gen;
-    gp.deadline_s = opts_.request_timeout_s;
     if (stopping_) co_return co_await write_response(stream, error_response(error_for(actors::gen_error::unavailable, "the server is stopping"), ver, false));
-    request_timer timer(metrics_, (int64_t)gp.prompt.size());
-    event_waiter events(co_await asio::this_coro::executor, eng_.submit(std::move(gp)), active_);
-    // Feeds the metrics as events are taken: token times, then the done or error event.
-    auto observe = [&](const actors::stream_event& e) {
-      if (e.type == actors::stream_event::kind::token) timer.on_token();
-      else if (e.type == actors::stream_event::kind::done) timer.on_done(e);
-      else timer.on_error();
+    // One generation per choice; each feeds the metrics as its events are taken.
+    std::vector<std::shared_ptr<actors::generation_stream>> gens;
+    std::vector<std::unique_ptr<request_timer>> timers;
+    for (int32_t i = 0; i < creq.n; ++i) {
+      actors::generation_params gp = choice_params(creq, i);
+      gp.deadline_s = opts_.request_timeout_s;
+      timers.push_back(std::make_unique<request_timer>(metrics_, (int64_t)gp.prompt.size()));
+      gens.push_back(eng_.submit(std::move(gp)));
+    }
+    event_waiter events(co_await asio::this_coro::executor, std::move(gens), active_);
+    events.watch_client(stream.socket());
+    auto observe = [&](const event_waiter::item& it) {
+      request_timer& t = *timers[(size_t)it.index];
+      if (it.ev.type == actors::stream_event::kind::token) t.on_token();
+      else if (it.ev.type == actors::stream_event::kind::done) t.on_done(it.ev);
+      else t.on_error();
     };
     // A cancel that is not the client's own is the server stopping.
     auto failure = [this](const actors::stream_event& e) {
@@ -391,22 +453,24 @@ class server {
       return error_for(e.error, e.message);
     };
     response_builder rb(creq, api_);
-    actors::stream_event ev = co_await events.next();
-    observe(ev);
-    if (ev.type == actors::stream_event::kind::error)  // refused before any token: a plain error
-      co_return co_await write_response(stream, error_response(failure(ev), ver, keep));
+    std::optional<event_waiter::item> it = co_await events.next();
+    if (!it) co_return false;  // the client went away: the waiter's destructor cancels
+    observe(*it);
+    if (it->ev.type == actors::stream_event::kind::error)  // refused before any token: a plain error
+      co_return co_await write_response(stream, error_response(failure(it->ev), ver, keep));
 
     if (!creq.stream) {
       for (bool first = true;; first = false) {
-        if (!first) observe(ev = co_await events.next());
-        if (ev.type == actors::stream_event::kind::token) {
-          rb.add(ev);
-          continue;
+        if (!first) {
+          if (!(it = co_await events.next())) break;
+          observe(*it);
         }
-        if (ev.type == actors::stream_event::kind::error)
-          co_return co_await write_response(stream, error_response(failure(ev), ver, keep));
-        co_return co_await write_response(stream, json_response(http::status::ok, dump(rb.finish(ev)), ver, keep));
+        if (it->ev.type == actors::stream_event::kind::token) rb.add(it->index, it->ev);
+        else if (it->ev.type == actors::stream_event::kind::done) rb.done(it->index, it->ev);
+        else co_return co_await write_response(stream, error_response(failure(it->ev), ver, keep));
       }
+      if (events.client_gone()) co_return false;
+      co_return co_await write_response(stream, json_response(http::status::ok, dump(rb.finish()), ver, keep));
     }
 
     // SSE over chunked transfer: headers now, then one chunk per event, flushed as it comes.
@@ -427,17 +491,21 @@ class server {
       co_return !ec;
     };
     if (!co_await send(rb.sse_start())) co_return false;  // event_waiter's destructor cancels
-    for (bool first = true;; first = false) {
-      if (!first) observe(ev = co_await events.next());
-      if (ev.type == actors::stream_event::kind::token) {
-        if (!co_await send(rb.sse_token(ev))) co_return false;
-        continue;
+    bool failed = false;
+    for (bool first = true; !failed; first = false) {
+      if (!first) {
+        if (!(it = co_await events.next())) break;
+        observe(*it);
       }
-      const std::string tail =
-          ev.type == actors::stream_event::kind::done ? rb.sse_done(ev) : response_builder::sse_error(failure(ev));
-      if (!co_await send(tail)) co_return false;
-      break;
+      std::string data;
+      if (it->ev.type == actors::stream_event::kind::token) data = rb.sse_token(it->index, it->ev);
+      else if (it->ev.type == actors::stream_event::kind::done) data = rb.sse_done(it->index, it->ev);
+      else data = response_builder::sse_error(failure(it->ev));
+      if (!co_await send(data)) co_return false;
+      failed = it->ev.type == actors::stream_event::kind::error;  // [DONE] sent; the other choices are cancelled
     }
+    if (events.client_gone()) co_return false;
+    if (!failed && !co_await send(rb.sse_end())) co_return false;
     auto [ec, n] = co_await asio::async_write(stream, http::make_chunk_last(), nothrow);
     stream.expires_never();
     co_return !ec && keep;
@@ -453,6 +521,7 @@ class server {
   std::atomic<bool> stopping_{false};
   active_set active_;
   metrics_registry metrics_;
+  asio::thread_pool blocking_{2};  // calls that wait on the engine (stats)
 };
 
 }  // namespace

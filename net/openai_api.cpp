@@ -236,7 +236,7 @@ completion_request parse_completion(const json& body, endpoint kind, const api_c
     if (!m->is_string()) throw bad_param("model", "'model' must be a string");
     ctx.check_model(m->get<std::string>());
   }
-  if (auto n = get_int(body, "n"); n && *n != 1) throw bad_param("n", "n > 1 is not supported yet");
+  if (auto n = get_int(body, "n")) r.n = in_range(*n, 1, ctx.max_n, "n");
   if (!chat) {
     if (get_bool(body, "echo").value_or(false)) throw bad_param("echo", "'echo' is not supported yet");
     if (const json* s = field(body, "suffix"); s && !(s->is_string() && s->get<std::string>().empty()))
@@ -322,10 +322,19 @@ json detokenize(const json& body, const api_context& ctx) {
 
 // --- responses ---------------------------------------------------------------------------------
 
+actors::generation_params choice_params(const completion_request& req, int32_t i) {
+  actors::generation_params g = req.gen;
+  if (g.sampling.has_seed) g.sampling.seed += (uint64_t)i;
+  return g;
+}
+
 response_builder::response_builder(const completion_request& req, const api_context& ctx)
     : req_(req), ctx_(ctx), id_(new_id(req.kind == endpoint::chat ? "chatcmpl" : "cmpl")), created_((int64_t)std::time(nullptr)) {
-  if (req_.kind == endpoint::chat) lp_ = json{{"content", json::array()}};
-  else lp_ = json{{"tokens", json::array()}, {"token_logprobs", json::array()}, {"top_logprobs", json::array()}, {"text_offset", json::array()}};
+  choices_.resize((size_t)std::max(1, req.n));
+  for (auto& c : choices_) {
+    if (req_.kind == endpoint::chat) c.lp = json{{"content", json::array()}};
+    else c.lp = json{{"tokens", json::array()}, {"token_logprobs", json::array()}, {"top_logprobs", json::array()}, {"text_offset", json::array()}};
+  }
 }
 
 json response_builder::chunk_base() const {
@@ -335,7 +344,7 @@ json response_builder::chunk_base() const {
   return j;
 }
 
-json response_builder::logprob_entry(const actors::stream_event& ev) {
+json response_builder::logprob_entry(const actors::stream_event& ev) const {
   const std::string piece = ctx_.tok->decode(std::span(&ev.token, 1), false);
   json top = json::array();
   for (const auto& t : ev.top) {
@@ -345,58 +354,69 @@ json response_builder::logprob_entry(const actors::stream_event& ev) {
   return json{{"token", piece}, {"logprob", ev.logprob}, {"bytes", byte_list(piece)}, {"top_logprobs", top}};
 }
 
-void response_builder::add_logprobs(json& lp, const actors::stream_event& ev) {
+void response_builder::add_logprobs(choice& c, json& lp, const actors::stream_event& ev) const {
   const std::string piece = ctx_.tok->decode(std::span(&ev.token, 1), false);
   json top = json::object();
   for (const auto& t : ev.top) top[ctx_.tok->decode(std::span(&t.token, 1), false)] = t.logprob;
   lp["tokens"].push_back(piece);
   lp["token_logprobs"].push_back(ev.logprob);
   lp["top_logprobs"].push_back(top);
-  lp["text_offset"].push_back(n_text_bytes_);
-  n_text_bytes_ += (int64_t)ev.text.size();
+  lp["text_offset"].push_back(c.n_text_bytes);
+  c.n_text_bytes += (int64_t)ev.text.size();
 }
 
-json response_builder::usage(const actors::stream_event& done) const {
-  return json{{"prompt_tokens", done.n_prompt}, {"completion_tokens", done.n_generated}, {"total_tokens", done.n_prompt + done.n_generated}};
+json response_builder::usage() const {
+  return json{{"prompt_tokens", n_prompt_}, {"completion_tokens", n_generated_}, {"total_tokens", n_prompt_ + n_generated_}};
 }
 
 std::string response_builder::sse_start() {
   if (req_.kind != endpoint::chat) return "";
-  json j = chunk_base();
-  j["choices"] = json::array({json{{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr}, {"finish_reason", nullptr}}});
-  return "data: " + dump(j) + "\n\n";
+  std::string out;
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    json j = chunk_base();
+    j["choices"] = json::array({json{{"index", i}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr}, {"finish_reason", nullptr}}});
+    out += "data: " + dump(j) + "\n\n";
+  }
+  return out;
 }
 
-std::string response_builder::sse_token(const actors::stream_event& ev) {
+std::string response_builder::sse_token(int32_t i, const actors::stream_event& ev) {
   if (ev.text.empty() && !req_.logprobs) return "";
-  json choice{{"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+  choice& c = choices_.at((size_t)i);
+  json ch{{"index", i}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
   if (req_.kind == endpoint::chat) {
-    choice["delta"] = json{{"content", ev.text}};
-    if (req_.logprobs) choice["logprobs"] = json{{"content", json::array({logprob_entry(ev)})}};
+    ch["delta"] = json{{"content", ev.text}};
+    if (req_.logprobs) ch["logprobs"] = json{{"content", json::array({logprob_entry(ev)})}};
   } else {
-    choice["text"] = ev.text;
+    ch["text"] = ev.text;
     if (req_.logprobs) {
       json lp{{"tokens", json::array()}, {"token_logprobs", json::array()}, {"top_logprobs", json::array()}, {"text_offset", json::array()}};
-      add_logprobs(lp, ev);
-      choice["logprobs"] = lp;
+      add_logprobs(c, lp, ev);
+      ch["logprobs"] = lp;
     }
   }
   json j = chunk_base();
-  j["choices"] = json::array({choice});
+  j["choices"] = json::array({ch});
   return "data: " + dump(j) + "\n\n";
 }
 
-std::string response_builder::sse_done(const actors::stream_event& done) {
-  json choice{{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish_name(done.finish)}};
-  if (req_.kind == endpoint::chat) choice["delta"] = done.text.empty() ? json::object() : json{{"content", done.text}};
-  else choice["text"] = done.text;
+std::string response_builder::sse_done(int32_t i, const actors::stream_event& done) {
+  n_prompt_ = done.n_prompt;
+  n_generated_ += done.n_generated;
+  json ch{{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish_name(done.finish)}};
+  if (req_.kind == endpoint::chat) ch["delta"] = done.text.empty() ? json::object() : json{{"content", done.text}};
+  else ch["text"] = done.text;
   json j = chunk_base();
-  j["choices"] = json::array({choice});
-  std::string out = "data: " + dump(j) + "\n\n";
+  j["choices"] = json::array({ch});
+  return "data: " + dump(j) + "\n\n";
+}
+
+std::string response_builder::sse_end() {
+  std::string out;
   if (req_.include_usage) {
     json u = chunk_base();
     u["choices"] = json::array();
-    u["usage"] = usage(done);
+    u["usage"] = usage();
     out += "data: " + dump(u) + "\n\n";
   }
   return out + "data: [DONE]\n\n";
@@ -404,26 +424,39 @@ std::string response_builder::sse_done(const actors::stream_event& done) {
 
 std::string response_builder::sse_error(const api_error& e) { return "data: " + error_body(e) + "\n\ndata: [DONE]\n\n"; }
 
-void response_builder::add(const actors::stream_event& ev) {
+void response_builder::add(int32_t i, const actors::stream_event& ev) {
+  choice& c = choices_.at((size_t)i);
   if (req_.logprobs) {
-    if (req_.kind == endpoint::chat) lp_["content"].push_back(logprob_entry(ev));
-    else add_logprobs(lp_, ev);
+    if (req_.kind == endpoint::chat) c.lp["content"].push_back(logprob_entry(ev));
+    else add_logprobs(c, c.lp, ev);
   }
-  text_ += ev.text;
+  c.text += ev.text;
 }
 
-json response_builder::finish(const actors::stream_event& done) {
-  text_ += done.text;
+void response_builder::done(int32_t i, const actors::stream_event& done) {
+  choice& c = choices_.at((size_t)i);
+  c.text += done.text;
+  c.finish = done.finish;
+  n_prompt_ = done.n_prompt;
+  n_generated_ += done.n_generated;
+}
+
+json response_builder::finish() const {
   const bool chat = req_.kind == endpoint::chat;
-  json choice{{"index", 0}, {"finish_reason", finish_name(done.finish)}, {"logprobs", req_.logprobs ? lp_ : json(nullptr)}};
-  if (chat) choice["message"] = json{{"role", "assistant"}, {"content", text_}};
-  else choice["text"] = text_;
+  json out = json::array();
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    const choice& c = choices_[i];
+    json ch{{"index", i}, {"finish_reason", finish_name(c.finish)}, {"logprobs", req_.logprobs ? c.lp : json(nullptr)}};
+    if (chat) ch["message"] = json{{"role", "assistant"}, {"content", c.text}};
+    else ch["text"] = c.text;
+    out.push_back(std::move(ch));
+  }
   return json{{"id", id_},
               {"object", chat ? "chat.completion" : "text_completion"},
               {"created", created_},
               {"model", ctx_.model_id},
-              {"choices", json::array({choice})},
-              {"usage", usage(done)}};
+              {"choices", std::move(out)},
+              {"usage", usage()}};
 }
 
 }  // namespace troupe::net

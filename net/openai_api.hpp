@@ -58,6 +58,7 @@ struct api_context {
   std::string model_id;                       // served name (the file stem)
   std::vector<std::string> aliases;           // also accepted in "model": general.name, "default"
   int64_t max_model_len = 0;                  // prompt + max_tokens limit
+  int32_t max_n = 16;                         // choices per request ("n") at most
   int64_t created = 0;                        // unix time the server started
 
   /// Throws api_exception 404 when `name` is neither the id nor an alias.
@@ -74,7 +75,12 @@ struct completion_request {
   bool stream = false, include_usage = false;
   bool logprobs = false;  // report per-token logprobs
   int32_t top_logprobs = 0;
+  int32_t n = 1;          // choices: n generations of the same prompt
 };
+
+/// The generation parameters of choice i: choice 0 is the request's own; with a seed, choice i
+/// draws from seed + i, so each choice is reproducible and they differ from one another.
+actors::generation_params choice_params(const completion_request& req, int32_t i);
 
 /// Validates a request body (an object) and tokenizes its prompt. Throws api_exception.
 completion_request parse_completion(const json& body, endpoint kind, const api_context& ctx);
@@ -83,37 +89,49 @@ completion_request parse_completion(const json& body, endpoint kind, const api_c
 json tokenize(const json& body, const api_context& ctx);
 json detokenize(const json& body, const api_context& ctx);
 
-/// Builds one request's responses: the full JSON (non-streaming) or its SSE events.
+/// Builds one request's responses, its req.n choices together: the full JSON (non-streaming) or
+/// its SSE events. Choice i's events carry "index": i; chunks of different choices may interleave.
 class response_builder {
  public:
   response_builder(const completion_request& req, const api_context& ctx);
 
-  /// Streaming: the first event (chat: the assistant role delta; completions: empty string).
+  /// Streaming: the first events (chat: the assistant role delta of each choice; completions: "").
   std::string sse_start();
-  /// Streaming: one token event -> an SSE event, or "" when it carries neither text nor logprobs.
-  std::string sse_token(const actors::stream_event& ev);
-  /// Streaming: the done event -> its finish chunk, the usage chunk (when asked) and [DONE].
-  std::string sse_done(const actors::stream_event& done);
+  /// Streaming: one token event of choice i -> an SSE event, or "" when it carries neither text
+  /// nor logprobs.
+  std::string sse_token(int32_t i, const actors::stream_event& ev);
+  /// Streaming: choice i's done event -> its finish chunk.
+  std::string sse_done(int32_t i, const actors::stream_event& done);
+  /// Streaming: after every choice's done event -> the usage chunk (when asked) and [DONE].
+  std::string sse_end();
   /// Streaming: an error after the headers went out -> an error event and [DONE].
   static std::string sse_error(const api_error& e);
 
-  /// Non-streaming: accumulate a token event.
-  void add(const actors::stream_event& ev);
-  /// Non-streaming: the response body once the done event arrived.
-  json finish(const actors::stream_event& done);
+  /// Non-streaming: accumulate a token event of choice i.
+  void add(int32_t i, const actors::stream_event& ev);
+  /// Non-streaming: choice i's done event.
+  void done(int32_t i, const actors::stream_event& done);
+  /// Non-streaming: the response body once every choice is done.
+  json finish() const;
 
  private:
+  struct choice {
+    std::string text;
+    int64_t n_text_bytes = 0;  // completions text_offset
+    json lp;                   // accumulated logprobs (non-streaming)
+    actors::finish_reason finish = actors::finish_reason::length;
+  };
   json chunk_base() const;
-  json logprob_entry(const actors::stream_event& ev);  // chat: one content item
-  void add_logprobs(json& completion_lp, const actors::stream_event& ev);  // completions style
-  json usage(const actors::stream_event& done) const;
+  json logprob_entry(const actors::stream_event& ev) const;  // chat: one content item
+  void add_logprobs(choice& c, json& completion_lp, const actors::stream_event& ev) const;  // completions style
+  json usage() const;
 
   const completion_request& req_;
   const api_context& ctx_;
-  std::string id_, text_;
+  std::string id_;
   int64_t created_ = 0;
-  int64_t n_text_bytes_ = 0;  // completions text_offset
-  json lp_;                    // accumulated logprobs (non-streaming)
+  std::vector<choice> choices_;
+  int64_t n_prompt_ = 0, n_generated_ = 0;  // usage: the prompt once, the completions summed
 };
 
 }  // namespace troupe::net

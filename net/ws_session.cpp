@@ -60,6 +60,7 @@ struct generation {
   std::shared_ptr<actors::generation_stream> stream;
   bool logprobs = false;
   actors::priority_class cls = actors::priority_class::normal;  // as last asked by the client
+  std::unique_ptr<request_timer> timer;  // its latencies and tokens for /metrics
 };
 
 class session : public std::enable_shared_from_this<session> {
@@ -149,7 +150,9 @@ class session : public std::enable_shared_from_this<session> {
           return enqueue(ws_error(m.id, "too_many_generations", "this socket already runs " + std::to_string(gens_.size()) + " generations (the limit)", true));
         actors::generation_params gp = m.req.gen;
         gp.deadline_s = ctx_.request_timeout_s;
-        generation g{ctx_.engine->submit(std::move(gp)), m.req.logprobs, m.req.gen.cls};
+        const int64_t n_prompt = (int64_t)gp.prompt.size();
+        generation g{ctx_.engine->submit(std::move(gp)), m.req.logprobs, m.req.gen.cls, nullptr};
+        if (ctx_.metrics) g.timer = std::make_unique<request_timer>(*ctx_.metrics, n_prompt);
         g.stream->set_notify([w = wake_] { w->notify(); });
         if (ctx_.on_start) ctx_.on_start(g.stream);
         gens_.emplace(m.id, std::move(g));
@@ -189,6 +192,11 @@ class session : public std::enable_shared_from_this<session> {
           auto ev = it->second.stream->next(std::chrono::milliseconds(0));
           if (!ev) break;
           progress = true;
+          if (request_timer* t = it->second.timer.get()) {
+            if (ev->type == actors::stream_event::kind::token) t->on_token();
+            else if (ev->type == actors::stream_event::kind::done) t->on_done(*ev);
+            else t->on_error();
+          }
           if (ev->type == actors::stream_event::kind::token) {
             enqueue(ws_token(it->first, *ev, it->second.logprobs));
             continue;

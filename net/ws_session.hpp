@@ -12,6 +12,7 @@
 #include <boost/beast/http/string_body.hpp>
 #include <boost/beast/websocket/rfc6455.hpp>  // is_upgrade
 
+#include "net/metrics.hpp"
 #include "net/ws_protocol.hpp"
 
 namespace troupe::net {
@@ -23,6 +24,7 @@ struct ws_context {
   ws_options opts;
   double request_timeout_s = 600;              // each generation's deadline
   const std::atomic<bool>* stopping = nullptr;  // the server refuses new work
+  metrics_registry* metrics = nullptr;          // fed per generation as for HTTP; null: none
   /// Called for each generation submitted and, once, when the session lets go of it (so the
   /// server's shutdown can wait for and cancel WebSocket generations too).
   std::function<void(const std::shared_ptr<actors::generation_stream>&)> on_start, on_end;

@@ -206,8 +206,49 @@ def test_extensions_and_unsupported(server, client):
         assert st == 200 and body["usage"]["completion_tokens"] == 2
     st, _, body = request(port, "POST", "/v1/completions", {"prompt": PROMPT, "priority": "urgent"})
     assert st == 400 and body["error"]["param"] == "priority"
-    st, _, body = request(port, "POST", "/v1/completions", {"prompt": PROMPT, "n": 2})
-    assert st == 400 and "not supported" in body["error"]["message"]
+    st, _, body = request(port, "POST", "/v1/completions", {"prompt": PROMPT, "n": 17})
+    assert st == 400 and body["error"]["param"] == "n"  # the default --max-n is 16
+    st, _, body = request(port, "POST", "/v1/completions", {"prompt": PROMPT, "n": 0})
+    assert st == 400 and body["error"]["param"] == "n"
+
+
+def test_n_choices(server, client):
+    """n > 1: n choices indexed 0..n-1; choice 0 is what n = 1 gives with the same seed, choice i
+    draws from seed + i (so each is reproducible alone); usage counts the prompt once and sums the
+    completions."""
+    kw = dict(model="default", prompt=PROMPT, max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True})
+    many = client.completions.create(n=3, seed=42, **kw)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    alone = [client.completions.create(n=1, seed=42 + i, **kw).choices[0].text for i in range(3)]
+    assert [c.text for c in many.choices] == alone
+    assert len(set(alone)) > 1, "different seeds gave the same 12 tokens three times"
+    assert many.usage.completion_tokens == 36
+    assert many.usage.prompt_tokens == len(tokenize(server[0], PROMPT))
+
+    # Greedy choices are all the greedy continuation.
+    g = greedy(client, max_tokens=8, n=2)
+    want = greedy(client, max_tokens=8).choices[0].text
+    assert [c.text for c in g.choices] == [want, want]
+
+    # Streaming: chunks of both choices, each assembling to its non-streaming text, one finish each.
+    texts, finishes = {0: "", 1: ""}, {}
+    for ch in client.completions.create(n=2, seed=7, stream=True, stream_options={"include_usage": True},
+                                        model="default", prompt=PROMPT, max_tokens=10, extra_body={"ignore_eos": True}):
+        for c in ch.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+        if ch.usage:
+            assert ch.usage.completion_tokens == 20
+    ref = client.completions.create(n=2, seed=7, model="default", prompt=PROMPT, max_tokens=10, extra_body={"ignore_eos": True})
+    assert texts == {c.index: c.text for c in ref.choices}
+    assert finishes == {0: "length", 1: "length"}
+
+    # Chat: n messages.
+    r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Say hi."}],
+                                       n=2, seed=3, max_tokens=6)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.message.role == "assistant" for c in r.choices)
 
 
 def test_concurrent_streams_agree(client):
@@ -239,6 +280,26 @@ def test_disconnect_mid_stream_cancels(server, client):
     deadline = time.monotonic() + 5
     while running(port) != 0:
         assert time.monotonic() < deadline, "the generation outlived its client"
+        time.sleep(0.05)
+    assert greedy(client, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_disconnect_while_waiting_non_streaming(server, client):
+    """A non-streaming client that hangs up is noticed while its generation runs (no write is
+    pending to fail): the generation is cancelled and its sequence freed."""
+    port = server[0]
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True}).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 10
+    while running(port) != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    s.close()
+    deadline = time.monotonic() + 5
+    while running(port) != 0:
+        assert time.monotonic() < deadline, "the non-streaming generation outlived its client"
         time.sleep(0.05)
     assert greedy(client, max_tokens=2).usage.completion_tokens == 2
 

@@ -270,6 +270,66 @@ def test_slow_reader_is_bounded_and_others_are_served(server):
     wait_idle(port, 5)
 
 
+def test_reader_that_stops_is_closed_1008_with_configured_limits():
+    """The configurable limits ([websocket] / --ws-*): a client that stops reading fills the small
+    queue and socket buffer, its blocked write outlives --ws-send-timeout-s, and the server closes
+    the socket (1008, dropped if the close cannot be sent), cancelling its generations, while it
+    keeps serving other clients."""
+    with running_server("--ws-send-timeout-s", "1", "--ws-max-queue-bytes", "4096",
+                        "--ws-send-buffer-bytes", "4096") as (port, proc):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        stalled = connect(url(port), sock=sock, max_queue=1)
+        for i in range(3):
+            stalled.send(gen(f"s{i}", PROMPTS[i], 2000, ignore_eos=True))
+        deadline = time.monotonic() + 10
+        while running(port) != 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t_full = time.monotonic()
+        # Blocked at most 1 s (+ the queue filling) + 2 s of grace for the close, then cancelled.
+        deadline = t_full + 15
+        while running(port) != 0:
+            assert time.monotonic() < deadline, "a client that stopped reading kept its generations"
+            time.sleep(0.1)
+        assert time.monotonic() - t_full < 15
+        # The client, reading at last, finds the connection closed: a 1008 close frame when it got
+        # through behind the blocked data, else a dropped connection.
+        code = None
+        with pytest.raises(ConnectionClosed) as closed:
+            for _ in range(100000):
+                stalled.recv(timeout=10)
+        code = closed.value.rcvd.code if closed.value.rcvd else None
+        assert code in (1008, None)
+        stalled.close()
+        assert http_completion(port, PROMPTS[0], 4)["usage"]["completion_tokens"] == 4
+
+
+def metric(port, name):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def test_websocket_generations_feed_metrics(server):
+    port = server[0]
+    gen0 = metric(port, "troupe_generation_tokens_total")
+    ttft0 = metric(port, "troupe_time_to_first_token_seconds_count")
+    with connect(url(port)) as ws:
+        ws.send(gen("m0", PROMPTS[1], 7, ignore_eos=True))
+        ws.send(gen("m1", PROMPTS[2], 5, ignore_eos=True))
+        got, _ = collect(ws, ["m0", "m1"], timeout=30)
+    assert got["m0"][2]["type"] == "done" and got["m1"][2]["type"] == "done"
+    assert metric(port, "troupe_generation_tokens_total") - gen0 == 12
+    assert metric(port, "troupe_time_to_first_token_seconds_count") - ttft0 == 2
+
+
 def test_abrupt_close_cancels_its_generations(server):
     port = server[0]
     sock = socket.create_connection(("127.0.0.1", port))
