@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from load_http import Connection, HttpError, Target
-from load_prompts import PromptFactory, parse_mix
+from load_prompts import PromptFactory, TokenIdFactory, parse_mix
 
 MAX_ERROR_BODY_BYTES = 4096       # kept from a non-200 body for the error message
 
@@ -46,7 +46,7 @@ class RequestResult:
     error: Optional[str] = None
 
 
-def build_body(prompt: str, gen_len: int, model: str, plain_openai: bool) -> bytes:
+def build_body(prompt: "str | list[int]", gen_len: int, model: str, plain_openai: bool) -> bytes:
     body = {"model": model, "prompt": prompt, "max_tokens": gen_len, "temperature": 0.0,
             "stream": True}
     if not plain_openai:
@@ -131,6 +131,7 @@ class LoadConfig:
     seed: int = 1
     plain_openai: bool = False
     tokenize_path: str = "/tokenize"   # "" = never ask the server to count tokens
+    token_ids: int = 0                 # > 0: prompts of random token ids below this vocab size
 
 
 async def run_load(cfg: LoadConfig) -> dict:
@@ -140,7 +141,8 @@ async def run_load(cfg: LoadConfig) -> dict:
         raise ValueError("closed loop needs --concurrency >= 1")
     target = Target.parse(cfg.url)
     shapes = parse_mix(cfg.mix)
-    factory = PromptFactory(target, cfg.tokenize_path, cfg.seed)
+    factory = (TokenIdFactory(cfg.token_ids, cfg.seed) if cfg.token_ids > 0
+               else PromptFactory(target, cfg.tokenize_path, cfg.seed))
     await factory.probe()
 
     # Prompts are built (and their lengths checked) before the clock starts. Each request gets a
@@ -318,6 +320,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                    help="send only standard OpenAI fields (no ignore_eos, n_predict)")
     p.add_argument("--tokenize-path", default="/tokenize",
                    help='server endpoint that counts prompt tokens ("" = estimate)')
+    p.add_argument("--token-ids", type=int, default=0, metavar="N_VOCAB",
+                   help="prompts of random token ids in [100, N_VOCAB) instead of words (the "
+                        "workload of `troupe bench --concurrency`)")
     p.add_argument("--json", action="store_true", help="also print one JSON line per run")
 
 
@@ -329,7 +334,8 @@ def config_from_args(a: argparse.Namespace, url: str, concurrency: int) -> LoadC
                       requests=requests, duration=a.duration, rate=a.rate,
                       mix=a.mix or f"{a.prompt_len}:{a.gen_len}",
                       request_timeout=a.request_timeout, warmup=a.warmup, seed=a.seed,
-                      plain_openai=a.plain_openai, tokenize_path=a.tokenize_path)
+                      plain_openai=a.plain_openai, tokenize_path=a.tokenize_path,
+                      token_ids=a.token_ids)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -127,3 +127,26 @@ class PromptFactory:
     def close(self) -> None:
         if self.conn is not None:
             self.conn.close()
+
+
+class TokenIdFactory:
+    """Prompts of random token ids in [100, n_vocab), exactly n_target long, as `troupe bench
+    --concurrency` makes them: the same workload through HTTP and through the in-process handle."""
+
+    def __init__(self, n_vocab: int, seed: int):
+        if n_vocab <= 100:
+            raise ValueError("--token-ids needs a vocabulary of more than 100 tokens")
+        self.n_vocab = n_vocab
+        self.rng = random.Random(seed)
+
+    async def probe(self) -> None:
+        pass
+
+    async def make(self, n_target: int) -> tuple[list[int], int]:
+        return self.make_quick(n_target)
+
+    def make_quick(self, n_target: int) -> tuple[list[int], int]:
+        return [self.rng.randrange(100, self.n_vocab) for _ in range(n_target)], n_target
+
+    def close(self) -> None:
+        pass
