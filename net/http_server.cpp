@@ -433,7 +433,7 @@ class server {
     // One generation per choice; each feeds the metrics as its events are taken.
     std::vector<std::shared_ptr<actors::generation_stream>> gens;
     std::vector<std::unique_ptr<request_timer>> timers;
-    for (int32_t i = 0; i < creq.n; ++i) {
+    for (int32_t i = 0; i < n_choices(creq); ++i) {
       actors::generation_params gp = choice_params(creq, i);
       gp.deadline_s = opts_.request_timeout_s;
       timers.push_back(std::make_unique<request_timer>(metrics_, (int64_t)gp.prompt.size()));

@@ -67,18 +67,24 @@ std::vector<engine::token_id> token_array(const json& arr, const char* name, int
   return out;
 }
 
-std::vector<engine::token_id> completion_prompt(const json& body, const api_context& ctx) {
+// The prompts of a completions request: a string, an array of token ids, or (batched) an array
+// of strings or of token-id arrays.
+std::vector<std::vector<engine::token_id>> completion_prompts(const json& body, const api_context& ctx) {
   const json* p = field(body, "prompt");
   if (!p) throw bad_param("prompt", "'prompt' is required");
   const engine::tokenizer& tok = *ctx.tok;
-  if (p->is_string()) return tok.encode(p->get<std::string>(), true, true);
-  if (p->is_array()) {
-    if (!p->empty() && (*p)[0].is_number()) return token_array(*p, "prompt", tok.n_vocab());
-    if (p->size() == 1 && (*p)[0].is_string()) return tok.encode((*p)[0].get<std::string>(), true, true);
-    if (p->size() == 1 && (*p)[0].is_array()) return token_array((*p)[0], "prompt", tok.n_vocab());
-    if (p->size() > 1) throw bad_param("prompt", "batched prompts (a list of several prompts) are not supported yet");
+  if (p->is_string()) return {tok.encode(p->get<std::string>(), true, true)};
+  if (p->is_array() && !p->empty() && (*p)[0].is_number()) return {token_array(*p, "prompt", tok.n_vocab())};
+  if (p->is_array() && !p->empty()) {
+    std::vector<std::vector<engine::token_id>> out;
+    for (const auto& item : *p) {
+      if (item.is_string()) out.push_back(tok.encode(item.get<std::string>(), true, true));
+      else if (item.is_array()) out.push_back(token_array(item, "prompt", tok.n_vocab()));
+      else throw bad_param("prompt", "a batch of prompts must hold only strings or only arrays of token ids");
+    }
+    return out;
   }
-  throw bad_param("prompt", "'prompt' must be a string or an array of token ids");
+  throw bad_param("prompt", "'prompt' must be a string, an array of token ids, or an array of those");
 }
 
 std::string message_content(const json& m, size_t i) {
@@ -282,8 +288,19 @@ completion_request parse_completion(const json& body, endpoint kind, const api_c
   }
   parse_priority(body, g);
 
-  g.prompt = chat ? chat_prompt(body, ctx) : completion_prompt(body, ctx);
+  if (chat) {
+    g.prompt = chat_prompt(body, ctx);
+  } else {
+    auto prompts = completion_prompts(body, ctx);
+    g.prompt = std::move(prompts[0]);
+    r.more_prompts.assign(std::make_move_iterator(prompts.begin() + 1), std::make_move_iterator(prompts.end()));
+    if ((int64_t)prompts.size() * r.n > ctx.max_n)
+      throw bad_param("n", std::to_string(prompts.size()) + " prompts x n = " + std::to_string(r.n) + " exceeds the " +
+                               std::to_string(ctx.max_n) + " choices a request may have (--max-n)");
+  }
   if (g.prompt.empty()) throw bad_param(chat ? "messages" : "prompt", "the prompt is empty");
+  for (const auto& mp : r.more_prompts)
+    if (mp.empty()) throw bad_param("prompt", "a prompt of the batch is empty");
   std::optional<int64_t> max_tokens;
   if (chat) max_tokens = get_int(body, "max_completion_tokens");
   if (!max_tokens) max_tokens = get_int(body, "max_tokens");
@@ -322,15 +339,18 @@ json detokenize(const json& body, const api_context& ctx) {
 
 // --- responses ---------------------------------------------------------------------------------
 
+int32_t n_choices(const completion_request& req) { return (int32_t)(1 + req.more_prompts.size()) * req.n; }
+
 actors::generation_params choice_params(const completion_request& req, int32_t i) {
   actors::generation_params g = req.gen;
-  if (g.sampling.has_seed) g.sampling.seed += (uint64_t)i;
+  if (const int32_t p = i / req.n; p > 0) g.prompt = req.more_prompts.at((size_t)p - 1);
+  if (g.sampling.has_seed) g.sampling.seed += (uint64_t)(i % req.n);
   return g;
 }
 
 response_builder::response_builder(const completion_request& req, const api_context& ctx)
     : req_(req), ctx_(ctx), id_(new_id(req.kind == endpoint::chat ? "chatcmpl" : "cmpl")), created_((int64_t)std::time(nullptr)) {
-  choices_.resize((size_t)std::max(1, req.n));
+  choices_.resize((size_t)n_choices(req));
   for (auto& c : choices_) {
     if (req_.kind == endpoint::chat) c.lp = json{{"content", json::array()}};
     else c.lp = json{{"tokens", json::array()}, {"token_logprobs", json::array()}, {"top_logprobs", json::array()}, {"text_offset", json::array()}};
@@ -400,9 +420,13 @@ std::string response_builder::sse_token(int32_t i, const actors::stream_event& e
   return "data: " + dump(j) + "\n\n";
 }
 
-std::string response_builder::sse_done(int32_t i, const actors::stream_event& done) {
-  n_prompt_ = done.n_prompt;
+void response_builder::count(int32_t i, const actors::stream_event& done) {
+  if (i % req_.n == 0) n_prompt_ += done.n_prompt;  // each prompt once, whatever n
   n_generated_ += done.n_generated;
+}
+
+std::string response_builder::sse_done(int32_t i, const actors::stream_event& done) {
+  count(i, done);
   json ch{{"index", i}, {"logprobs", nullptr}, {"finish_reason", finish_name(done.finish)}};
   if (req_.kind == endpoint::chat) ch["delta"] = done.text.empty() ? json::object() : json{{"content", done.text}};
   else ch["text"] = done.text;
@@ -437,8 +461,7 @@ void response_builder::done(int32_t i, const actors::stream_event& done) {
   choice& c = choices_.at((size_t)i);
   c.text += done.text;
   c.finish = done.finish;
-  n_prompt_ = done.n_prompt;
-  n_generated_ += done.n_generated;
+  count(i, done);
 }
 
 json response_builder::finish() const {

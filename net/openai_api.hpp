@@ -75,11 +75,16 @@ struct completion_request {
   bool stream = false, include_usage = false;
   bool logprobs = false;  // report per-token logprobs
   int32_t top_logprobs = 0;
-  int32_t n = 1;          // choices: n generations of the same prompt
+  int32_t n = 1;          // choices per prompt
+  std::vector<std::vector<engine::token_id>> more_prompts;  // a batched /v1/completions: prompts 2..k
 };
 
-/// The generation parameters of choice i: choice 0 is the request's own; with a seed, choice i
-/// draws from seed + i, so each choice is reproducible and they differ from one another.
+/// Choices of a request: (1 + more_prompts) prompts x n, at most api_context::max_n.
+int32_t n_choices(const completion_request& req);
+
+/// The generation parameters of choice i (OpenAI's numbering: prompt i / n, sample i % n). Choice
+/// 0 is the request's own; with a seed, sample j draws from seed + j, so each choice is
+/// reproducible alone and the samples of one prompt differ from one another.
 actors::generation_params choice_params(const completion_request& req, int32_t i);
 
 /// Validates a request body (an object) and tokenizes its prompt. Throws api_exception.
@@ -125,6 +130,7 @@ class response_builder {
   json logprob_entry(const actors::stream_event& ev) const;  // chat: one content item
   void add_logprobs(choice& c, json& completion_lp, const actors::stream_event& ev) const;  // completions style
   json usage() const;
+  void count(int32_t i, const actors::stream_event& done);
 
   const completion_request& req_;
   const api_context& ctx_;

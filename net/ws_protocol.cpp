@@ -44,6 +44,10 @@ ws_message parse_generate(const json& j, std::string id, const api_context& ctx)
   m.type = ws_message::kind::generate;
   try {
     m.req = parse_completion(body, has_messages ? endpoint::chat : endpoint::completions, ctx);
+    if (n_choices(m.req) != 1)
+      throw api_exception(api_error{400, "invalid_request_error",
+                                    "one generate message is one generation: send n > 1 or several prompts as several messages",
+                                    m.req.n != 1 ? "n" : "prompt", "invalid_value", ""});
   } catch (const api_exception& e) {
     ws_protocol_error err(id, e.err.code.empty() ? "invalid_request" : e.err.code, e.err.message);
     err.param = e.err.param;

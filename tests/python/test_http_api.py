@@ -244,6 +244,17 @@ def test_n_choices(server, client):
     assert texts == {c.index: c.text for c in ref.choices}
     assert finishes == {0: "length", 1: "length"}
 
+    # A batch of prompts: choice index = prompt * n + sample, each prompt counted once in usage.
+    other = "Once upon a time"
+    b = client.completions.create(model="default", prompt=[PROMPT, other], n=2, temperature=0, max_tokens=6)
+    want_other = client.completions.create(model="default", prompt=other, temperature=0, max_tokens=6).choices[0].text
+    want = greedy(client, max_tokens=6).choices[0].text
+    assert [c.index for c in b.choices] == [0, 1, 2, 3]
+    assert [c.text for c in b.choices] == [want, want, want_other, want_other]
+    assert b.usage.prompt_tokens == len(tokenize(server[0], PROMPT)) + len(tokenize(server[0], other))
+    st, _, body = request(server[0], "POST", "/v1/completions", {"prompt": [PROMPT] * 5, "n": 4})
+    assert st == 400 and body["error"]["param"] == "n" and "--max-n" in body["error"]["message"]
+
     # Chat: n messages.
     r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Say hi."}],
                                        n=2, seed=3, max_tokens=6)
