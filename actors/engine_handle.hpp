@@ -117,6 +117,7 @@ struct engine_stats {
   std::string invariant_error;  // empty when the scheduler core's check() holds
   // Where a step's time goes: the scheduler's own work (plan + apply results) vs the executor's.
   int64_t n_steps = 0;
+  int64_t n_steps_ahead = 0;  // of them, planned while the step before was in flight
   double sched_s = 0;     // total in scheduler_core::schedule and on_step_done
   double executor_s = 0;  // total compute reported by the executor
 };

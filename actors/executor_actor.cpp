@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
+#include <unordered_map>
 
 #include "actors/runtime.hpp"
 #include "engine/forward.hpp"
@@ -22,6 +23,8 @@ struct executor_state {
   engine::kv_storage device, host;
   engine::cpu_forward fwd;
   std::vector<engine::seq_chunk> chunks;
+  // The tokens sampled by the last step, for decodes planned ahead (scheduler_core::ahead_token).
+  std::unordered_map<uint64_t, engine::token_id> last_sampled, sampling_now;
 };
 
 uint64_t mix_seed(uint64_t seed, uint64_t index) {  // splitmix64 of the pair
@@ -48,12 +51,21 @@ void run_copies(executor_state& st, const std::vector<engine::block_copy>& copie
 caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg) {
   auto st = std::make_shared<executor_state>(cfg);
   return {
-      [=](step_atom, const step_work& w) -> step_output {
+      [=](step_atom, step_work& w) -> step_output {
         const auto t0 = std::chrono::steady_clock::now();
         run_copies(*st, w.copies);
         step_output out;
         out.step = w.step;
         if (w.batch.empty()) return out;
+        // Decodes planned ahead take the token this executor sampled for them in the step before.
+        std::unordered_map<uint64_t, engine::token_id> fed;
+        for (auto& e : w.batch)
+          if (e.tokens.size() == 1 && e.tokens[0] == ahead_token) {
+            auto it = st->last_sampled.find(e.seq);
+            if (it == st->last_sampled.end()) throw std::logic_error("executor: a decode planned ahead has no token from the step before");
+            e.tokens[0] = it->second;
+            fed.emplace(e.seq, it->second);
+          }
         st->chunks.clear();
         for (const auto& e : w.batch) st->chunks.push_back({e.tokens, e.pos0, e.block_table, false, !e.need_logits});
         if (w.inject_fault) throw std::runtime_error("injected executor fault");
@@ -71,8 +83,18 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg) 
           p.seed = mix_seed(p.seed, sp.draw_index);
           p.has_seed = true;
           engine::sampler smp(p);
-          out.tokens.push_back({sp.seq, smp.sample(row, sp.history)});
+          std::vector<engine::token_id> history_fed;
+          std::span<const engine::token_id> history = sp.history;
+          if (auto f = fed.find(sp.seq); f != fed.end() && !sp.history.empty()) {
+            history_fed = sp.history;
+            history_fed.push_back(f->second);
+            history = history_fed;
+          }
+          out.tokens.push_back({sp.seq, smp.sample(row, history)});
+          st->sampling_now[sp.seq] = out.tokens.back().r.token;
         }
+        std::swap(st->last_sampled, st->sampling_now);
+        st->sampling_now.clear();
         out.compute_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         return out;
       },

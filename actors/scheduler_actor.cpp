@@ -21,14 +21,15 @@ struct scheduler_state {
   caf::actor executor;
   uint64_t epoch = 0;  // bumped per executor: replies from an earlier one are ignored
   int32_t n_executors = 0;
-  bool in_flight = false, circuit_open = false, tick_pending = false, fault_next = false, draining = false;
+  int n_in_flight = 0;  // steps sent and not answered (two when one was planned ahead)
+  bool circuit_open = false, tick_pending = false, fault_next = false, draining = false;
   std::vector<caf::response_promise> drain_waiters;  // answered once nothing is left
   std::unordered_map<uint64_t, seq_entry> seqs;
   std::unordered_map<caf::actor_addr, uint64_t> by_addr;
   std::vector<engine::block_copy> carry;  // copies of plans that had no batch, run with the next step
   std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
   double step_timeout_s = 120;
-  int64_t n_steps = 0;
+  int64_t n_steps = 0, n_ahead = 0;  // steps answered; steps planned ahead
   double sched_s = 0, executor_s = 0;
 
   double now() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
@@ -49,7 +50,7 @@ void forget(self_ptr self, uint64_t id) {
 
 void executor_lost(self_ptr self) {
   auto& st = self->state;
-  st.in_flight = false;
+  st.n_in_flight = 0;
   st.carry.clear();
   st.core->on_executor_lost(st.now());
 }
@@ -98,27 +99,48 @@ void schedule_tick(self_ptr self) {
   self->delayed_send(self, std::chrono::milliseconds(10), tick_atom::value);
 }
 
+void send_step(self_ptr self, step_plan plan, bool ahead);
+
+// Plans and sends what can go now: a full plan when no step is in flight, then (pipelining) the
+// next decode step planned ahead while one step is in flight.
 void maybe_step(self_ptr self) {
   auto& st = self->state;
   if (st.draining && st.seqs.empty() && !st.drain_waiters.empty()) {
     for (auto& rp : st.drain_waiters) rp.deliver(true);
     st.drain_waiters.clear();
   }
-  if (st.in_flight || !st.executor || st.circuit_open) return;
-  const auto t0 = std::chrono::steady_clock::now();
-  step_plan plan = st.core->schedule(st.now());
-  st.sched_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  for (const failure_event& f : plan.failed) {
-    auto it = st.seqs.find(f.seq);
-    if (it == st.seqs.end()) continue;
-    self->send(it->second.request, failed_atom::value, f.seq, gen_error::queue_timeout, f.message);
-    forget(self, f.seq);
+  if (!st.executor || st.circuit_open) return;
+  if (st.n_in_flight == 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    step_plan plan = st.core->schedule(st.now());
+    st.sched_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    for (const failure_event& f : plan.failed) {
+      auto it = st.seqs.find(f.seq);
+      if (it == st.seqs.end()) continue;
+      self->send(it->second.request, failed_atom::value, f.seq, gen_error::queue_timeout, f.message);
+      forget(self, f.seq);
+    }
+    st.carry.insert(st.carry.end(), plan.copies.begin(), plan.copies.end());
+    if (plan.batch.empty()) {
+      if (st.core->n_waiting() > 0) schedule_tick(self);  // queue timeouts, blocked admissions
+      return;
+    }
+    send_step(self, std::move(plan), false);
   }
-  st.carry.insert(st.carry.end(), plan.copies.begin(), plan.copies.end());
-  if (plan.batch.empty()) {
-    if (st.core->n_waiting() > 0) schedule_tick(self);  // queue timeouts, blocked admissions
-    return;
+  if (st.n_in_flight == 1) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::optional<step_plan> plan = st.core->schedule_ahead(st.now());
+    st.sched_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (plan) {
+      st.carry.insert(st.carry.end(), plan->copies.begin(), plan->copies.end());
+      send_step(self, std::move(*plan), true);
+      ++st.n_ahead;
+    }
   }
+}
+
+void send_step(self_ptr self, step_plan plan, bool ahead) {
+  auto& st = self->state;
   step_work w;
   w.step = plan.step;
   w.copies = std::move(st.carry);
@@ -127,20 +149,22 @@ void maybe_step(self_ptr self) {
     if (!e.need_logits) continue;
     const auto& entry = st.seqs.at(e.seq);
     const auto info = st.core->find(e.seq);
-    sample_spec sp{e.seq, entry.sampling, (uint64_t)info->n_generated, {}};
+    // A decode planned ahead samples the draw after the step in flight's; the executor appends
+    // the token it fed in to the history.
+    sample_spec sp{e.seq, entry.sampling, (uint64_t)info->n_generated + (ahead ? 1 : 0), {}};
     if (entry.penalties) sp.history.assign(info->tokens.begin(), info->tokens.end());
     w.sampling.push_back(std::move(sp));
   }
   w.batch = std::move(plan.batch);
   w.inject_fault = std::exchange(st.fault_next, false);
-  st.in_flight = true;
+  ++st.n_in_flight;
   const uint64_t epoch = st.epoch;
   const auto timeout = std::chrono::milliseconds((int64_t)(st.step_timeout_s * 1000));
   self->request(st.executor, timeout, step_atom::value, std::move(w))
       .then(
           [=](step_output& out) {
             if (self->state.epoch != epoch) return;
-            self->state.in_flight = false;
+            --self->state.n_in_flight;
             on_output(self, out);
             maybe_step(self);
           },
@@ -256,6 +280,7 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
         r.s.circuit_open = s.circuit_open;
         r.s.invariant_error = s.core->check();
         r.s.n_steps = s.n_steps;
+        r.s.n_steps_ahead = s.n_ahead;
         r.s.sched_s = s.sched_s;
         r.s.executor_s = s.executor_s;
         return r;

@@ -214,25 +214,72 @@ step_plan scheduler_core::schedule(double now) {
     batch.push_back({a.seq, (int32_t)std::min<int64_t>(a.n_tokens, (int64_t)s.tokens.size() - s.n_computed)});
   }
 
+  std::vector<pending_entry> entries;
   for (const scheduled_seq& b : batch) {
     batch_entry e = make_entry(seqs_.at(b.seq), b.n_tokens);
     plan.n_tokens += b.n_tokens;
-    pending_.push_back({b.seq, b.n_tokens, e.need_logits});
+    entries.push_back({b.seq, b.n_tokens, e.need_logits});
     plan.batch.push_back(std::move(e));
   }
+  if (!entries.empty()) pending_.push_back(std::move(entries));
   stats_.n_decode_tokens += plan.n_decodes;
   stats_.n_prefill_tokens += plan.n_tokens - plan.n_decodes;
   return plan;
 }
 
+std::optional<step_plan> scheduler_core::schedule_ahead(double /*now: nothing here waits or ages*/) {
+  if (!cfg_.plan_ahead || pending_.size() != 1 || !waiting_.empty()) return std::nullopt;
+  // Every running sequence must be sampling in the step in flight: one left out (a prefill chunk
+  // that ends mid-prompt, or a decode the budget skipped) is the full planner's to schedule.
+  std::vector<uint64_t> ids;
+  size_t n_alive = 0;
+  int32_t new_blocks = 0;
+  for (const pending_entry& p : pending_.front()) {
+    auto it = seqs_.find(p.seq);
+    if (it == seqs_.end()) continue;  // cancelled while in flight
+    const sequence& s = it->second;
+    if (!p.need_logits || s.state != seq_state::running || s.n_computed + p.n_tokens != (int64_t)s.tokens.size())
+      return std::nullopt;
+    ++n_alive;
+    if (s.n_generated + 1 >= s.req.max_tokens) continue;  // its last token comes with the step in flight
+    new_blocks += kv_.cost_append(p.seq, 1);
+    ids.push_back(p.seq);
+  }
+  if (n_alive != running_.size() || ids.empty() || (int64_t)ids.size() > cfg_.max_batched_tokens) return std::nullopt;
+  if (new_blocks + cfg_.kv_watermark_blocks > kv_.n_available_device()) return std::nullopt;  // preemption: the full planner's
+
+  step_plan plan;
+  plan.step = ++step_no_;
+  ++stats_.n_steps;
+  std::vector<pending_entry> entries;
+  for (uint64_t id : ids) {
+    const sequence& s = seqs_.at(id);
+    if (!kv_.append(id, 1, plan.copies)) throw std::logic_error("scheduler_core: the ahead KV growth of " + seq_name(id) + " failed");
+    batch_entry e;
+    e.seq = id;
+    e.pos0 = (int64_t)s.tokens.size();  // the position after the step in flight
+    e.tokens = {ahead_token};
+    const auto table = kv_.table(id);
+    e.block_table.assign(table.begin(), table.begin() + engine::kv_blocks_for(e.pos0 + 1, kv_.block_size()));
+    e.need_logits = true;
+    entries.push_back({id, 1, true});
+    plan.batch.push_back(std::move(e));
+  }
+  plan.n_decodes = plan.n_tokens = (int32_t)plan.batch.size();
+  stats_.n_decode_tokens += plan.n_decodes;
+  pending_.push_back(std::move(entries));
+  return plan;
+}
+
 std::vector<finished_seq> scheduler_core::on_step_done(std::span<const token_result> results, double now) {
   if (pending_.empty()) throw std::logic_error("scheduler_core::on_step_done: no step in flight");
+  const std::vector<pending_entry>& step = pending_.front();
   // Validate everything before changing anything.
   std::unordered_map<uint64_t, const token_result*> by_seq;
   for (const token_result& r : results)
     if (!by_seq.emplace(r.seq, &r).second) throw std::invalid_argument("two results for " + seq_name(r.seq));
   size_t n_matched = 0;
-  for (const pending_entry& p : pending_) {
+  for (const pending_entry& p : step) {
     if (!p.need_logits) continue;
     if (by_seq.count(p.seq)) ++n_matched;
     else if (seqs_.count(p.seq)) throw std::invalid_argument("no sampled token for " + seq_name(p.seq));
@@ -240,7 +287,7 @@ std::vector<finished_seq> scheduler_core::on_step_done(std::span<const token_res
   if (n_matched != by_seq.size()) throw std::invalid_argument("a result for a sequence that asked for no token");
 
   std::vector<finished_seq> done;
-  for (const pending_entry& p : pending_) {
+  for (const pending_entry& p : step) {
     auto it = seqs_.find(p.seq);
     if (it == seqs_.end()) continue;  // cancelled while the step ran
     sequence& s = it->second;
@@ -265,7 +312,7 @@ std::vector<finished_seq> scheduler_core::on_step_done(std::span<const token_res
       ++stats_.n_finished;
     }
   }
-  pending_.clear();
+  pending_.pop_front();
   return done;
 }
 

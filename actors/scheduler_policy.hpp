@@ -1,11 +1,19 @@
 // The scheduler's core: waiting queues, the running set and the per-step plan, as plain code
 // (no actor library). The scheduler actor wraps one; tests drive it directly with a fake executor.
 //
-// Protocol (one step in flight):
-//   add()/cancel() at any time; plan = schedule(now); the executor performs plan.copies in order,
-//   then runs plan.batch through the forward and samples; on_step_done(results, now) before the
-//   next schedule(). A plan with an empty batch leaves no step in flight (its copies, if any,
-//   still run before the next forward). Time is always a parameter: nothing here reads a clock.
+// Protocol (up to two steps in flight):
+//   add()/cancel() at any time; plan = schedule(now) with no step in flight; the executor performs
+//   plan.copies in order, then runs plan.batch through the forward and samples; on_step_done(
+//   results, now) once per step, in step order. A plan with an empty batch leaves no step in
+//   flight (its copies, if any, still run before the next forward). Time is always a parameter:
+//   nothing here reads a clock.
+//   Pipelining: while exactly one step is in flight, schedule_ahead(now) may plan the next one
+//   before its results are known, so the executor never waits for the scheduler. It does so only
+//   in the steady decode phase (nothing waiting, every running sequence sampling in the step in
+//   flight, KV blocks to spare): each entry is one ahead_token at the position after the step in
+//   flight, and the executor feeds in the token it sampled there. A sequence that finishes with
+//   the step in flight has its ahead entry computed and ignored (one wasted token; its blocks are
+//   freed when it finishes, and reused only by later steps, which the executor runs after).
 //
 // Sequence states: waiting (no KV: never run, or preempted by recompute) -> running (resident
 // KV) -> finished; running -> swapped (KV on host) -> running; running -> waiting (recompute).
@@ -35,6 +43,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <span>
 #include <string>
@@ -65,7 +74,12 @@ struct scheduler_config {
   double priority_preempt_after_s = 5.0;  // (<= 0: no priority preemption)
   double max_bypass_wait_s = 30.0;        // (<= 0: a blocked head is always bypassed)
   double queue_timeout_s = 0;             // default waiting limit (0: none)
+  bool plan_ahead = true;                 // allow schedule_ahead (two steps in flight)
 };
+
+/// The token of a decode planned ahead: the executor substitutes the token it sampled for the
+/// same sequence in the step before.
+inline constexpr token_id ahead_token = -1;
 
 /// Empty when valid, else one line naming the field and its allowed range.
 std::string validate(const scheduler_config& c);
@@ -194,7 +208,12 @@ class scheduler_core {
   /// decide() then apply it: KV allocation, copies, the batch. Throws std::logic_error while
   /// a step is in flight.
   step_plan schedule(double now);
-  /// Advances the sequences of the step in flight. results: one per batch entry with
+  /// With exactly one step in flight and the engine in the steady decode phase (see the header
+  /// comment), plans the next step: every running sequence that can still generate after the step
+  /// in flight decodes one ahead_token. nullopt (nothing changed) when the conditions do not hold;
+  /// the caller then waits for the step in flight and calls schedule().
+  std::optional<step_plan> schedule_ahead(double now);
+  /// Advances the sequences of the oldest step in flight. results: one per batch entry with
   /// need_logits (entries of cancelled sequences may be missing). Returns the sequences that
   /// finished (removed, blocks freed). Throws std::invalid_argument (nothing changed) when a
   /// result is missing, unexpected or duplicated.
@@ -207,6 +226,7 @@ class scheduler_core {
   std::vector<uint64_t> on_executor_lost(double now);
 
   bool step_in_flight() const { return !pending_.empty(); }
+  size_t n_steps_in_flight() const { return pending_.size(); }
   size_t n_running() const { return running_.size(); }
   size_t n_waiting() const { return waiting_.size(); }  // swapped ones included
   int64_t n_waiting_tokens() const { return n_waiting_tokens_; }
@@ -255,7 +275,7 @@ class scheduler_core {
   int64_t n_waiting_tokens_ = 0;
   uint64_t next_order_ = 0;
   uint64_t step_no_ = 0;
-  std::vector<pending_entry> pending_;  // the step in flight
+  std::deque<std::vector<pending_entry>> pending_;  // the steps in flight, oldest first
   scheduler_stats stats_;
 };
 

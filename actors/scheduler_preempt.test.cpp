@@ -324,3 +324,40 @@ TEST_CASE("random traffic: every output equals the reference, pools end full", "
   CHECK(d.preempted.size() > 0);
   d.require_drained();
 }
+
+TEST_CASE("pipelining: decodes planned ahead reproduce the reference, and the planner falls back when it must", "[scheduler][pipeline]") {
+  scheduler_config c;
+  c.max_batched_tokens = 32;
+  c.max_num_seqs = 6;
+  c.long_prompt_threshold = 1000;
+  c.aging_s = 0;
+  c.priority_preempt_after_s = 0;
+  c.max_bypass_wait_s = 0;
+  SECTION("steady decodes: nearly every step after the prefills is planned ahead") {
+    driver d(c, 4, 64, 0);
+    for (uint64_t id = 1; id <= 4; ++id) REQUIRE(d.add(id, prompt_of(6 + (int)id, (token_id)id * 7), 20).ok());
+    const int n_ahead = d.run_pipelined(nullptr);
+    for (uint64_t id = 1; id <= 4; ++id) d.require_reference(id);
+    CHECK(n_ahead >= 15);
+    d.require_drained();
+  }
+  SECTION("arrivals, stop tokens, a tiny pool with swap and recompute preemption") {
+    for (preemption_mode mode : {preemption_mode::swap, preemption_mode::recompute}) {
+      c.preemption = mode;
+      driver d(c, 4, 10, 24);
+      d.stop = [](uint64_t seq, token_id t) { return seq % 3 == 0 && t % 17 == 0; };
+      uint64_t next_id = 1;
+      const int n_ahead = d.run_pipelined([&](int i) {
+        if (i % 2 == 0 && next_id <= 12) {
+          const uint64_t id = next_id++;
+          REQUIRE(d.add(id, prompt_of(3 + (int)(id * 5 % 11), (token_id)id * 13), 10 + (int32_t)(id % 9)).ok());
+        }
+        return next_id <= 12;
+      });
+      for (uint64_t id = 1; id <= 12; ++id) d.require_reference(id);
+      CHECK(n_ahead > 0);
+      CHECK(!d.preempted.empty());
+      d.require_drained();
+    }
+  }
+}

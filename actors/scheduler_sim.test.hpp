@@ -4,6 +4,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <deque>
 #include <functional>
 #include <map>
 #include <tuple>
@@ -62,8 +63,14 @@ class fake_executor {
         const auto [it, fresh] = written.emplace(slot, e.seq);
         INFO("step " << plan.step << " seq " << e.seq << " pos " << e.pos0 + (int64_t)i);
         REQUIRE((fresh || it->second == e.seq));
-        device_[slot] = e.tokens[i];
+        token_id t = e.tokens[i];
+        if (t == ahead_token) {  // a decode planned ahead: the token sampled in the step before
+          REQUIRE(last_.count(e.seq));
+          t = last_.at(e.seq);
+        }
+        device_[slot] = t;
       }
+    last_.clear();
     std::vector<token_result> out;
     for (const auto& e : plan.batch) {
       if (!e.need_logits) continue;
@@ -72,6 +79,7 @@ class fake_executor {
       for (int64_t p = 0; p < n; ++p) context[(size_t)p] = device_[slot_of(e.block_table, p)];
       const token_id t = next_token(e.seq, context);
       out.push_back({e.seq, t, stop && stop(e.seq, t)});
+      last_[e.seq] = t;
     }
     return out;
   }
@@ -84,6 +92,7 @@ class fake_executor {
   }
   int bs_;
   std::vector<int> device_, host_;
+  std::map<uint64_t, token_id> last_;  // sampled by the last step with a batch
 };
 
 /// One scheduler over one block manager and a fake executor, with a clock.
@@ -140,6 +149,46 @@ struct driver {
     for (int i = 0; i < max_steps && (core.n_running() > 0 || core.n_waiting() > 0); ++i) step();
     REQUIRE(core.n_running() == 0);
     REQUIRE(core.n_waiting() == 0);
+  }
+
+  /// Runs to idle as the scheduler actor does with pipelining: a full plan when no step is in
+  /// flight, then a plan ahead while one is; the executor takes the steps in order.
+  /// `arrivals(i)` is called before iteration i (to add requests) and says whether more will come.
+  /// Returns the steps planned ahead.
+  int run_pipelined(const std::function<bool(int)>& arrivals, int max_iters = 20000) {
+    std::deque<step_plan> q;
+    int n_ahead = 0;
+    bool more = true;
+    for (int i = 0; i < max_iters; ++i) {
+      more = arrivals && arrivals(i);
+      if (!core.step_in_flight()) {
+        step_plan p = core.schedule(now);
+        for (const auto& f : p.failed) failed[f.seq] = f;
+        preempted.insert(preempted.end(), p.preempted.begin(), p.preempted.end());
+        if (p.batch.empty()) exec.run(p, stop);  // copies only
+        else q.push_back(std::move(p));
+      }
+      if (core.n_steps_in_flight() == 1)
+        if (auto a = core.schedule_ahead(now)) {
+          REQUIRE(a->n_tokens <= core.config().max_batched_tokens);
+          ++n_ahead;
+          q.push_back(std::move(*a));
+        }
+      REQUIRE(core.n_steps_in_flight() == q.size());
+      if (!q.empty()) {
+        const step_plan p = std::move(q.front());
+        q.pop_front();
+        const auto results = exec.run(p, stop);
+        for (auto& f : core.on_step_done(results, now)) finished[f.seq] = f;
+      }
+      INFO("iteration " << i);
+      REQUIRE(core.check() == "");
+      now += dt;
+      if (q.empty() && core.n_running() == 0 && core.n_waiting() == 0 && !more) break;
+    }
+    REQUIRE(core.n_running() == 0);
+    REQUIRE(core.n_waiting() == 0);
+    return n_ahead;
   }
 
   /// The finished sequence generated exactly what a run alone would have.

@@ -70,6 +70,15 @@ auto string_key(std::string server_config::*field) {
   };
 }
 
+auto bool_key(bool server_config::*field) {
+  return [field](const toml::node& n, server_config& c) -> std::string {
+    const auto v = n.value_exact<bool>();
+    if (!v) return "expected a boolean, got " + type_name(n);
+    c.*field = *v;
+    return {};
+  };
+}
+
 auto string_list_key(std::vector<std::string> server_config::*field) {
   return [field](const toml::node& n, server_config& c) -> std::string {
     const toml::array* a = n.as_array();
@@ -118,6 +127,7 @@ const std::vector<key_spec>& keys() {
       {"scheduler", "max_waiting_tokens", int_key(&server_config::max_waiting_tokens)},
       {"scheduler", "queue_timeout_s", double_key(&server_config::queue_timeout_s)},
       {"scheduler", "preemption", string_key(&server_config::preemption)},
+      {"scheduler", "plan_ahead", bool_key(&server_config::plan_ahead)},
       {"auth", "api_keys", string_list_key(&server_config::api_keys)},
       {"auth", "admin_api_keys", string_list_key(&server_config::admin_api_keys)},
   };
@@ -252,7 +262,8 @@ std::string describe(const server_config& c) {
     << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\nkv_mb = " << c.kv_mb << "\n"
     << "[scheduler]\n"
     << "max_num_seqs = " << c.max_num_seqs << "\nmax_waiting = " << c.max_waiting << "\nmax_waiting_tokens = " << c.max_waiting_tokens
-    << "\nqueue_timeout_s = " << num(c.queue_timeout_s) << "\npreemption = " << quote(c.preemption) << "\n"
+    << "\nqueue_timeout_s = " << num(c.queue_timeout_s) << "\npreemption = " << quote(c.preemption)
+    << "\nplan_ahead = " << (c.plan_ahead ? "true" : "false") << "\n"
     << "[auth]\n"
     << "api_keys = " << redacted(c.api_keys) << "\nadmin_api_keys = " << redacted(c.admin_api_keys) << "\n";
   return o.str();

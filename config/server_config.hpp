@@ -55,6 +55,7 @@ struct server_config {
   int64_t max_waiting_tokens = 1 << 20;  // prompt tokens of the waiting requests at most
   double queue_timeout_s = 0;         // longest wait before the first step (0: none; 503 after)
   std::string preemption = "swap";    // "swap" (to host blocks) or "recompute"
+  bool plan_ahead = true;             // pipelining: decode step n+1 planned while n runs
 
   // [auth]
   std::vector<std::string> api_keys;        // empty: the API is open

@@ -110,6 +110,7 @@ TEST_CASE("server_config: a value of the wrong type is named with what was expec
   CHECK(contains(parse_error("[server]\nport = 80.5\n"), "key 'server.port': expected an integer, got a float"));
   CHECK(contains(parse_error("[server]\nrequest_timeout_s = true\n"), "key 'server.request_timeout_s': expected a number"));
   CHECK(contains(parse_error("[auth]\napi_keys = \"k1\"\n"), "key 'auth.api_keys': expected an array of strings"));
+  CHECK(contains(parse_error("[scheduler]\nplan_ahead = 1\n"), "key 'scheduler.plan_ahead': expected a boolean"));
   CHECK(contains(parse_error("[auth]\napi_keys = [\"k1\", 2]\n"), "key 'auth.api_keys': expected an array of strings, found an integer"));
   CHECK(contains(parse_error("server = 3\n"), "key 'server': expected a table"));
   CHECK(contains(parse_error("[engine]\nthreads = 99999999999\n"), "key 'engine.threads': integer out of range"));
@@ -165,7 +166,7 @@ TEST_CASE("server_config: out-of-range values are named by validate()", "[config
 }
 
 TEST_CASE("server_config: describe() redacts API keys and round-trips through parse_toml", "[config]") {
-  server_config c = parse_toml("[server]\nport = 1234\n[websocket]\nsend_timeout_s = 2.5\n[auth]\napi_keys = [\"secret-one\", \"secret-two\"]\nadmin_api_keys = [\"adm1n\"]\n");
+  server_config c = parse_toml("[server]\nport = 1234\n[websocket]\nsend_timeout_s = 2.5\n[scheduler]\nplan_ahead = false\n[auth]\napi_keys = [\"secret-one\", \"secret-two\"]\nadmin_api_keys = [\"adm1n\"]\n");
   const std::string d = describe(c);
   CHECK_FALSE(contains(d, "secret"));
   CHECK_FALSE(contains(d, "adm1n"));
@@ -173,6 +174,7 @@ TEST_CASE("server_config: describe() redacts API keys and round-trips through pa
   const server_config back = parse_toml(d);
   CHECK(back.port == 1234);
   CHECK(back.ws_send_timeout_s == 2.5);
+  CHECK_FALSE(back.plan_ahead);
   CHECK(back.api_keys.size() == 2);
 }
 

@@ -23,6 +23,7 @@ struct bench_opts {
   int prompt_len = 512, gen_len = 128, batch = 1, reps = 3;
   int concurrency = 0, requests = 0;
   bool json = false;
+  bool no_plan_ahead = false;
 };
 
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
@@ -35,7 +36,7 @@ double median(std::vector<double> v) {
 int run_bench(bench_opts& o) {
   if (o.concurrency > 0) {
 #ifdef TROUPE_HAVE_ACTORS
-    load_opts l{o.engine, o.concurrency, o.requests > 0 ? o.requests : 4 * o.concurrency, o.prompt_len, o.gen_len, o.json};
+    load_opts l{o.engine, o.concurrency, o.requests > 0 ? o.requests : 4 * o.concurrency, o.prompt_len, o.gen_len, o.json, !o.no_plan_ahead};
     return run_load_bench(l);
 #else
     throw std::runtime_error("--concurrency needs the actor runtime: this build has no CAF (TROUPE_SERVICE=OFF)");
@@ -122,6 +123,7 @@ action add_bench(CLI::App& app) {
   cmd->add_option("--concurrency", o->concurrency,
                   "serving benchmark: N concurrent closed-loop streams through the actor runtime (0: engine only)");
   cmd->add_option("--requests", o->requests, "requests in the serving benchmark (default 4 x concurrency)");
+  cmd->add_flag("--no-plan-ahead", o->no_plan_ahead, "serving benchmark: one step in flight (no pipelining), for comparison");
   return [o] { return run_bench(*o); };
 }
 

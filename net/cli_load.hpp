@@ -9,6 +9,7 @@ struct load_opts {
   config::engine_config engine;
   int concurrency = 0, requests = 0, prompt_len = 128, gen_len = 128;
   bool json = false;
+  bool plan_ahead = true;  // pipelining: the scheduler plans decode step n+1 while n runs
 };
 
 /// Runs the load and prints the figures; returns 0 when every request completed.

@@ -50,7 +50,7 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       engine_field("--kv-block-size", &e::kv_block_size), engine_field("--batch-size", &e::n_batch), field("--kv-mb", &c::kv_mb),
       field("--max-num-seqs", &c::max_num_seqs), field("--max-waiting", &c::max_waiting),
       field("--max-waiting-tokens", &c::max_waiting_tokens), field("--queue-timeout-s", &c::queue_timeout_s),
-      field("--preemption", &c::preemption), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
+      field("--preemption", &c::preemption), field("--plan-ahead", &c::plan_ahead), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
   };
   return v;
 }
@@ -102,6 +102,7 @@ int run_serve(serve_opts& o) {
   eo.sched.max_waiting_tokens = c.max_waiting_tokens;
   eo.sched.queue_timeout_s = c.queue_timeout_s;
   eo.sched.preemption = c.preemption == "recompute" ? actors::preemption_mode::recompute : actors::preemption_mode::swap;
+  eo.sched.plan_ahead = c.plan_ahead;
   eo.sched.max_model_len = ec.n_ctx;  // 0: the engine's limit (trained context, KV pool)
   auto eng = actors::engine_handle::start(eo);
   const engine::model& m = eng->model();
@@ -144,6 +145,7 @@ action add_serve(CLI::App& app) {
   cmd->add_option("--max-waiting-tokens", f.max_waiting_tokens, "prompt tokens of the waiting requests at most (429 beyond)")->capture_default_str();
   cmd->add_option("--queue-timeout-s", f.queue_timeout_s, "longest wait for the first step (0: none; 503 after)")->capture_default_str();
   cmd->add_option("--preemption", f.preemption, "when KV runs out: swap or recompute")->capture_default_str();
+  cmd->add_option("--plan-ahead", f.plan_ahead, "pipelining: plan decode step n+1 while n runs (true/false)")->capture_default_str();
   cmd->add_option("--max-body-bytes", f.max_body_bytes, "largest request body accepted (413 beyond)")->capture_default_str();
   cmd->add_option("--request-timeout-s", f.request_timeout_s, "deadline of one generation, and the idle read limit")->capture_default_str();
   cmd->add_option("--max-connections", f.max_connections, "open connections at most (503 beyond)")->capture_default_str();

@@ -45,13 +45,15 @@ struct fixture {
   std::shared_ptr<const engine::model> model;
   caf::actor scheduler;
 
-  fixture() {
+  // Most tests here pin down the one-step protocol; the pipelining test turns planning ahead on.
+  explicit fixture(bool plan_ahead = false) {
     cfg.set("scheduler.policy", caf::atom("testing"));
     sys = std::make_unique<caf::actor_system>(cfg);
     sched = &dynamic_cast<caf::scheduler::test_coordinator&>(sys->scheduler());
     model = engine::model::load((std::filesystem::path(TROUPE_SOURCE_DIR) / "models" / "default.gguf").string());
     scheduler_config sc;
     sc.max_model_len = 512;
+    sc.plan_ahead = plan_ahead;
     scheduler = spawn_scheduler(*sys, {sc, model, 16, 64, 64, 120});
   }
   ~fixture() {
@@ -178,3 +180,65 @@ TEST_CASE("a request actor that dies frees its sequence through its down message
   CHECK(st.n_free_device + st.n_cached == st.n_device_blocks);
   CHECK(st.invariant_error.empty());
 }
+
+TEST_CASE("pipelining: the next decode is planned while a step runs; a finished sequence's ahead token is dropped", "[actors][order]") {
+  fixture f(true);
+  auto log = std::make_shared<fake_executor_log>();
+  auto e = f.sys->spawn(fake_executor, log);
+  caf::anon_send(f.scheduler, executor_atom::value, e);
+  auto s = f.submit(3, 3);
+  f.sched->run();
+  // The prefill went out, and at once the decode after it, before any result came back.
+  REQUIRE(log->steps.size() == 2);
+  const int64_t n_prompt = (int64_t)log->steps[0].batch[0].tokens.size();
+  const batch_entry& ahead = log->steps[1].batch.at(0);
+  CHECK(ahead.pos0 == n_prompt);
+  CHECK(ahead.tokens == std::vector<engine::token_id>{ahead_token});
+  CHECK(ahead.need_logits);
+  REQUIRE(log->steps[1].sampling.size() == 1);
+  CHECK(log->steps[1].sampling[0].draw_index == 1);  // the draw after the prefill's
+
+  // The prefill's token: the third step (the last token, max_tokens 3) is planned ahead in turn.
+  caf::anon_send(e, tick_atom::value, size_t{0}, engine::token_id{10});
+  f.sched->run();
+  REQUIRE(log->steps.size() == 3);
+  CHECK(log->steps[2].batch.at(0).pos0 == n_prompt + 1);
+  // The second token: nothing more is planned (the third is the sequence's last).
+  caf::anon_send(e, tick_atom::value, size_t{1}, engine::token_id{11});
+  f.sched->run();
+  CHECK(log->steps.size() == 3);
+  caf::anon_send(e, tick_atom::value, size_t{2}, engine::token_id{12});
+  f.sched->run();
+  auto evs = take_all(*s);
+  REQUIRE(evs.size() == 4);
+  CHECK(evs[0].token == 10);
+  CHECK(evs[1].token == 11);
+  CHECK(evs[2].token == 12);
+  CHECK(evs[3].type == stream_event::kind::done);
+
+  // A sequence that stops (its stop token) while its ahead decode is out: that token is dropped,
+  // and every block comes back.
+  generation_params p;
+  p.prompt = f.model->vocab().encode("Stop here", true, false);
+  p.sampling.temperature = 0;
+  p.max_tokens = 50;
+  auto s2 = std::make_shared<generation_stream>(52);
+  f.sys->spawn(request_actor, f.scheduler, f.model, p, 4, s2);
+  f.sched->run();
+  REQUIRE(log->steps.size() == 5);  // its prefill and the decode ahead
+  const engine::token_id eos = f.model->vocab().eos();
+  caf::anon_send(e, tick_atom::value, size_t{3}, eos);
+  f.sched->run();
+  caf::anon_send(e, tick_atom::value, size_t{4}, engine::token_id{77});
+  f.sched->run();
+  auto evs2 = take_all(*s2);
+  REQUIRE(evs2.size() == 1);
+  CHECK(evs2[0].type == stream_event::kind::done);
+  CHECK(evs2[0].finish == finish_reason::stop);
+  const auto st = f.stats();
+  CHECK(st.n_running == 0);
+  CHECK(st.invariant_error.empty());
+  CHECK(st.n_free_device + st.n_cached == st.n_device_blocks);
+  CHECK(st.n_steps_ahead == 3);
+}
+

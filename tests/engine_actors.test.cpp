@@ -153,7 +153,7 @@ TEST_CASE("a tiny KV pool forces preemption and the outputs stay identical", "[a
   }
 }
 
-TEST_CASE("seeded sampling gives the same tokens with and without preemption", "[actors][model]") {
+TEST_CASE("seeded sampling gives the same tokens with and without preemption or pipelining", "[actors][model]") {
   std::vector<actors::generation_params> ps;
   for (int i = 0; i < 6; ++i) {
     auto p = greedy(prompts[i], 24);
@@ -161,12 +161,18 @@ TEST_CASE("seeded sampling gives the same tokens with and without preemption", "
     p.sampling.top_p = 0.95f;
     p.sampling.seed = 1000 + (uint64_t)i;
     p.sampling.has_seed = true;
+    if (i % 2 == 1) {  // penalties read the history, whose last token a decode planned ahead gets from the executor
+      p.sampling.repetition_penalty = 1.3f;
+      p.sampling.frequency_penalty = 0.5f;
+    }
     ps.push_back(p);
   }
-  auto run = [&](int32_t n_blocks, actors::preemption_mode mode) {
+  int64_t n_ahead = 0;
+  auto run = [&](int32_t n_blocks, actors::preemption_mode mode, bool plan_ahead = true) {
     auto o = options();
     o.n_device_blocks = n_blocks;
     o.sched.preemption = mode;
+    o.sched.plan_ahead = plan_ahead;
     auto eng = actors::engine_handle::start(o);
     std::vector<std::shared_ptr<actors::generation_stream>> ss;
     for (const auto& p : ps) ss.push_back(eng->submit(p));
@@ -174,10 +180,15 @@ TEST_CASE("seeded sampling gives the same tokens with and without preemption", "
     for (auto& s : ss) out.push_back(drain(*s).tokens);
     const auto st = eng->stats();
     require_no_leak(*eng);
+    n_ahead = st.n_steps_ahead;
     return std::make_pair(out, st.sched.n_preempted_swap + st.sched.n_preempted_recompute);
   };
   const auto [roomy, n0] = run(256, actors::preemption_mode::swap);
   CHECK(n0 == 0);
+  CHECK(n_ahead > 10);
+  const auto [one_step, n1] = run(256, actors::preemption_mode::swap, false);
+  CHECK(n_ahead == 0);
+  CHECK(one_step == roomy);
   for (auto mode : {actors::preemption_mode::swap, actors::preemption_mode::recompute}) {
     const auto [tight, n] = run(9, mode);
     CHECK(n > 0);
