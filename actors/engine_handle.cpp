@@ -4,6 +4,9 @@
 #include <stdexcept>
 
 #include "actors/runtime.hpp"
+#ifdef TROUPE_HAVE_CUDA
+#include "kernels/cuda/cuda_kernels.hpp"
+#endif
 
 namespace troupe::actors {
 
@@ -105,6 +108,16 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   if (o.n_threads < 1) throw std::invalid_argument("n_threads must be at least 1");
   if (o.kv_block_size < 1) throw std::invalid_argument("kv_block_size must be at least 1");
   if (auto err = validate(o.sched); !err.empty()) throw std::invalid_argument(err);
+#ifdef TROUPE_HAVE_CUDA
+  if (o.cuda_device >= 0) {  // refuse at start, not by opening the circuit after failed restarts
+    const int n = kernels::cuda::device_count();
+    if (o.cuda_device >= n)
+      throw std::invalid_argument("no CUDA device " + std::to_string(o.cuda_device) + ": this machine has " + std::to_string(n) +
+                                  " usable (a driver and a GPU are needed; use the CPU)");
+  }
+#else
+  if (o.cuda_device >= 0) throw std::invalid_argument("this build has no CUDA backend (nvcc was not found when it was configured): use the CPU");
+#endif
   auto p = std::make_unique<impl>();
   p->model = std::shared_ptr<const engine::model>(engine::model::load(o.model_path));
   const auto& hp = p->model->hparams();
@@ -120,7 +133,7 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   p->sys = std::make_unique<caf::actor_system>(p->cfg);
   scheduler_config_msg scm{sc, p->model, o.kv_block_size, n_dev, n_host, o.step_timeout_s};
   p->scheduler = spawn_scheduler(*p->sys, scm);
-  executor_config ec{p->model, o.n_threads, shape, n_dev, n_host};
+  executor_config ec{p->model, o.n_threads, shape, n_dev, n_host, o.cuda_device};
   p->supervisor = p->sys->spawn(supervisor_actor, p->scheduler, ec, o.max_restarts, o.restart_window_s);
   return std::unique_ptr<engine_handle>(new engine_handle(std::move(p)));
 }

@@ -1,6 +1,8 @@
-// The executor: one per device (here the CPU). The only owner of its KV memory (device pool and
-// host swap pool), its thread pool and its forward pass. Spawned detached, so a step's compute
-// runs on the executor's own thread, never on CAF's scheduler threads. One step per message.
+// The executor: one per device (the CPU, or a CUDA device with --device cuda). The only owner of
+// its KV memory (device pool and host swap pool), its weights on the device, its threads or
+// streams and its forward pass. Sampling runs on the host, the same code for every backend.
+// Spawned detached, so a step's compute runs on the executor's own thread, never on CAF's
+// scheduler threads. One step per message.
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -9,19 +11,84 @@
 #include "actors/runtime.hpp"
 #include "engine/forward.hpp"
 #include "kernels/thread_pool.hpp"
+#ifdef TROUPE_HAVE_CUDA
+#include "engine/cuda/cuda_forward.hpp"
+#endif
 
 namespace troupe::actors {
 
 namespace {
 
+// What the executor drives on its device: block copies, then a forward that returns logits rows.
+class backend {
+ public:
+  virtual ~backend() = default;
+  virtual void copy_blocks(const std::vector<engine::block_copy>& copies) = 0;
+  virtual const std::vector<float>& forward(std::span<const engine::seq_chunk> batch) = 0;
+};
+
+// The CPU: KV pools in host memory, the forward on the executor's own thread pool.
+class cpu_backend final : public backend {
+ public:
+  explicit cpu_backend(const executor_config& c)
+      : pool_(c.n_threads), device_(c.kv, c.n_device_blocks), host_(c.kv, c.n_host_blocks > 0 ? c.n_host_blocks : 1),
+        fwd_(*c.model, device_, pool_), bytes_((size_t)c.kv.block_bytes()) {}
+
+  void copy_blocks(const std::vector<engine::block_copy>& copies) override {
+    for (const auto& c : copies) {
+      using k = engine::block_copy::kind;
+      engine::kv_storage& src = c.dir == k::host_to_device ? host_ : device_;
+      engine::kv_storage& dst = c.dir == k::device_to_host ? host_ : device_;
+      if (c.src < 0 || c.src >= src.n_blocks() || c.dst < 0 || c.dst >= dst.n_blocks())
+        throw std::logic_error("executor: block copy out of range");
+      std::memcpy(dst.block_data(c.dst), src.block_data(c.src), bytes_);
+    }
+  }
+  const std::vector<float>& forward(std::span<const engine::seq_chunk> batch) override { return fwd_.forward(batch); }
+
+ private:
+  kernels::thread_pool pool_;
+  engine::kv_storage device_, host_;
+  engine::cpu_forward fwd_;
+  size_t bytes_;
+};
+
+#ifdef TROUPE_HAVE_CUDA
+// A CUDA device: weights, KV pool and pinned host swap pool owned by engine::cuda::cuda_forward;
+// copies go on its copy stream, which the next forward waits for.
+class cuda_backend final : public backend {
+ public:
+  explicit cuda_backend(const executor_config& c) : fwd_(*c.model, options(c)) {}
+
+  void copy_blocks(const std::vector<engine::block_copy>& copies) override { fwd_.copy_blocks(copies); }
+  const std::vector<float>& forward(std::span<const engine::seq_chunk> batch) override { return fwd_.forward(batch); }
+
+ private:
+  static engine::cuda::cuda_options options(const executor_config& c) {
+    engine::cuda::cuda_options o;
+    o.device = c.cuda_device;
+    o.n_blocks = c.n_device_blocks;  // the scheduler's block manager addresses exactly these
+    o.n_host_blocks = c.n_host_blocks;
+    o.block_size = c.kv.block_size;
+    return o;
+  }
+  engine::cuda::cuda_forward fwd_;
+};
+#endif
+
+std::unique_ptr<backend> make_backend(const executor_config& c) {
+  if (c.cuda_device < 0) return std::make_unique<cpu_backend>(c);
+#ifdef TROUPE_HAVE_CUDA
+  return std::make_unique<cuda_backend>(c);
+#else
+  throw std::invalid_argument("this build has no CUDA backend");
+#endif
+}
+
 struct executor_state {
-  explicit executor_state(const executor_config& c)
-      : cfg(c), pool(c.n_threads), device(c.kv, c.n_device_blocks), host(c.kv, c.n_host_blocks > 0 ? c.n_host_blocks : 1),
-        fwd(*c.model, device, pool) {}
+  explicit executor_state(const executor_config& c) : cfg(c), dev(make_backend(c)) {}
   executor_config cfg;
-  kernels::thread_pool pool;
-  engine::kv_storage device, host;
-  engine::cpu_forward fwd;
+  std::unique_ptr<backend> dev;
   std::vector<engine::seq_chunk> chunks;
   // The tokens sampled by the last step, for decodes planned ahead (scheduler_core::ahead_token).
   std::unordered_map<uint64_t, engine::token_id> last_sampled, sampling_now;
@@ -34,18 +101,6 @@ uint64_t mix_seed(uint64_t seed, uint64_t index) {  // splitmix64 of the pair
   return z ^ (z >> 31);
 }
 
-void run_copies(executor_state& st, const std::vector<engine::block_copy>& copies) {
-  const size_t bytes = (size_t)st.cfg.kv.block_bytes();
-  for (const auto& c : copies) {
-    using k = engine::block_copy::kind;
-    engine::kv_storage& src = c.dir == k::host_to_device ? st.host : st.device;
-    engine::kv_storage& dst = c.dir == k::device_to_host ? st.host : st.device;
-    if (c.src < 0 || c.src >= src.n_blocks() || c.dst < 0 || c.dst >= dst.n_blocks())
-      throw std::logic_error("executor: block copy out of range");
-    std::memcpy(dst.block_data(c.dst), src.block_data(c.src), bytes);
-  }
-}
-
 }  // namespace
 
 caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg) {
@@ -53,7 +108,7 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg) 
   return {
       [=](step_atom, step_work& w) -> step_output {
         const auto t0 = std::chrono::steady_clock::now();
-        run_copies(*st, w.copies);
+        st->dev->copy_blocks(w.copies);
         step_output out;
         out.step = w.step;
         if (w.batch.empty()) return out;
@@ -69,7 +124,7 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg) 
         st->chunks.clear();
         for (const auto& e : w.batch) st->chunks.push_back({e.tokens, e.pos0, e.block_table, false, !e.need_logits});
         if (w.inject_fault) throw std::runtime_error("injected executor fault");
-        const std::vector<float>& logits = st->fwd.forward(st->chunks);
+        const std::vector<float>& logits = st->dev->forward(st->chunks);
         const int n_vocab = cfg.model->hparams().n_vocab;
         std::vector<float> row((size_t)n_vocab);
         size_t si = 0;

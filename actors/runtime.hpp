@@ -89,6 +89,7 @@ struct executor_config {
   int n_threads = 1;
   engine::kv_shape kv;
   int32_t n_device_blocks = 0, n_host_blocks = 0;
+  int cuda_device = -1;  // -1: the CPU backend; else the CUDA device index (a build with CUDA)
 };
 
 /// Payload of the shared stats reply.

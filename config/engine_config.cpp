@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <stdexcept>
 #include <thread>
 
 namespace troupe::config {
@@ -16,7 +17,21 @@ std::string validate(const engine_config& c) {
     return "--kv-block-size must be a power of two in [1, 1024], got " + std::to_string(c.kv_block_size);
   if (c.n_batch < 1 || c.n_batch > 65536) return "--batch-size must be in [1, 65536], got " + std::to_string(c.n_batch);
   if (c.max_kv_bytes < (1 << 20)) return "--max-kv-bytes must be at least 1 MiB";
+  try {
+    parse_device(c.device);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
   return {};
+}
+
+int parse_device(const std::string& device) {
+  if (device == "cpu") return -1;
+  if (device == "cuda") return 0;
+  if (device.rfind("cuda:", 0) == 0 && device.size() > 5 && device.size() <= 8 &&
+      device.find_first_not_of("0123456789", 5) == std::string::npos)
+    return std::stoi(device.substr(5));
+  throw std::invalid_argument("--device must be \"cpu\", \"cuda\" or \"cuda:N\", got \"" + device + "\"");
 }
 
 int default_threads() {

@@ -14,7 +14,11 @@ struct engine_config {
   int kv_block_size = 16;   // positions per KV block
   int n_batch = 512;        // max tokens per forward step (prefill chunk size)
   int64_t max_kv_bytes = 1LL << 30;  // cap on the KV cache allocation
+  std::string device = "cpu";  // the executor's device: "cpu", or "cuda" / "cuda:N" (builds with CUDA)
 };
+
+/// "cpu" -> -1; "cuda" -> 0; "cuda:N" -> N. Throws std::invalid_argument for anything else.
+int parse_device(const std::string& device);
 
 /// Empty when valid, else one line naming the option and its allowed range.
 std::string validate(const engine_config& c);

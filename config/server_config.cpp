@@ -122,6 +122,13 @@ const std::vector<key_spec>& keys() {
       {"engine", "kv_block_size", engine_int_key(&engine_config::kv_block_size)},
       {"engine", "batch_size", engine_int_key(&engine_config::n_batch)},
       {"engine", "kv_mb", int_key(&server_config::kv_mb)},
+      {"engine", "device",
+       [](const toml::node& n, server_config& c) -> std::string {
+         const auto v = n.value_exact<std::string>();
+         if (!v) return "expected a string, got " + type_name(n);
+         c.engine.device = *v;
+         return {};
+       }},
       {"scheduler", "max_num_seqs", int_key(&server_config::max_num_seqs)},
       {"scheduler", "max_waiting", int_key(&server_config::max_waiting)},
       {"scheduler", "max_waiting_tokens", int_key(&server_config::max_waiting_tokens)},
@@ -221,6 +228,11 @@ std::string validate(const server_config& c) {
   if (e.kv_block_size < 1 || e.kv_block_size > 1024 || (e.kv_block_size & (e.kv_block_size - 1)))
     return range_error("engine.kv_block_size", "--kv-block-size", "a power of two in [1, 1024]", std::to_string(e.kv_block_size));
   if (e.n_batch < 1 || e.n_batch > 65536) return range_error("engine.batch_size", "--batch-size", "in [1, 65536]", std::to_string(e.n_batch));
+  try {
+    parse_device(e.device);
+  } catch (const std::invalid_argument&) {
+    return range_error("engine.device", "--device", "\"cpu\", \"cuda\" or \"cuda:N\"", "\"" + e.device + "\"");
+  }
   if (c.kv_mb < 1 || c.kv_mb > (int64_t(1) << 24)) return range_error("engine.kv_mb", "--kv-mb", "in [1, 16777216]", std::to_string(c.kv_mb));
 
   if (c.max_num_seqs < 1 || c.max_num_seqs > 65536) return range_error("scheduler.max_num_seqs", "--max-num-seqs", "in [1, 65536]", std::to_string(c.max_num_seqs));
@@ -259,7 +271,8 @@ std::string describe(const server_config& c) {
     << "\nidle_timeout_s = " << num(c.ws_idle_timeout_s) << "\nsend_buffer_bytes = " << c.ws_send_buffer_bytes << "\n"
     << "[engine]\n"
     << "model = " << quote(e.model_path) << "\nthreads = " << e.n_threads << "\nctx_size = " << e.n_ctx
-    << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\nkv_mb = " << c.kv_mb << "\n"
+    << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\nkv_mb = " << c.kv_mb
+    << "\ndevice = " << quote(e.device) << "\n"
     << "[scheduler]\n"
     << "max_num_seqs = " << c.max_num_seqs << "\nmax_waiting = " << c.max_waiting << "\nmax_waiting_tokens = " << c.max_waiting_tokens
     << "\nqueue_timeout_s = " << num(c.queue_timeout_s) << "\npreemption = " << quote(c.preemption)

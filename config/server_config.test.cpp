@@ -148,6 +148,7 @@ TEST_CASE("server_config: out-of-range values are named by validate()", "[config
       {"[engine]\nkv_block_size = 24", "engine.kv_block_size (--kv-block-size) must be a power of two"},
       {"[engine]\nbatch_size = 0", "engine.batch_size"},
       {"[engine]\nkv_mb = 0", "engine.kv_mb (--kv-mb)"},
+      {"[engine]\ndevice = \"gpu\"", "engine.device (--device) must be \"cpu\", \"cuda\" or \"cuda:N\", got \"gpu\""},
       {"[scheduler]\nmax_num_seqs = 0", "scheduler.max_num_seqs"},
       {"[scheduler]\nmax_waiting = -1", "scheduler.max_waiting"},
       {"[scheduler]\nmax_waiting_tokens = -1", "scheduler.max_waiting_tokens"},

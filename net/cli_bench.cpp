@@ -123,6 +123,7 @@ action add_bench(CLI::App& app) {
   cmd->add_option("--concurrency", o->concurrency,
                   "serving benchmark: N concurrent closed-loop streams through the actor runtime (0: engine only)");
   cmd->add_option("--requests", o->requests, "requests in the serving benchmark (default 4 x concurrency)");
+  cmd->add_option("--device", o->engine.device, "serving benchmark: executor device (cpu, cuda, cuda:N)")->capture_default_str();
   cmd->add_flag("--no-plan-ahead", o->no_plan_ahead, "serving benchmark: one step in flight (no pipelining), for comparison");
   return [o] { return run_bench(*o); };
 }

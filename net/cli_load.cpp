@@ -78,6 +78,7 @@ int run_load_bench(const load_opts& o) {
   eo.sched.max_num_seqs = std::max(o.concurrency, 1);
   eo.sched.max_batched_tokens = ec.n_batch;
   eo.sched.plan_ahead = o.plan_ahead;
+  eo.cuda_device = config::parse_device(ec.device);
   const int n_vocab = probe->vocab().n_vocab();
   const size_t weight_bytes = probe->weight_bytes_per_token();
   int64_t n_params = probe->output().n_in * probe->output().n_out;

@@ -47,7 +47,7 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       field("--ws-send-timeout-s", &c::ws_send_timeout_s), field("--ws-max-generations", &c::ws_max_generations),
       field("--ws-idle-timeout-s", &c::ws_idle_timeout_s), field("--ws-send-buffer-bytes", &c::ws_send_buffer_bytes),
       engine_field("--model", &e::model_path), engine_field("--threads", &e::n_threads), engine_field("--ctx-size", &e::n_ctx),
-      engine_field("--kv-block-size", &e::kv_block_size), engine_field("--batch-size", &e::n_batch), field("--kv-mb", &c::kv_mb),
+      engine_field("--kv-block-size", &e::kv_block_size), engine_field("--batch-size", &e::n_batch), engine_field("--device", &e::device), field("--kv-mb", &c::kv_mb),
       field("--max-num-seqs", &c::max_num_seqs), field("--max-waiting", &c::max_waiting),
       field("--max-waiting-tokens", &c::max_waiting_tokens), field("--queue-timeout-s", &c::queue_timeout_s),
       field("--preemption", &c::preemption), field("--plan-ahead", &c::plan_ahead), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
@@ -94,6 +94,7 @@ int run_serve(serve_opts& o) {
   actors::engine_options eo;
   eo.model_path = ec.model_path;
   eo.n_threads = ec.n_threads;
+  eo.cuda_device = config::parse_device(ec.device);
   eo.kv_block_size = ec.kv_block_size;
   eo.max_kv_bytes = c.kv_mb << 20;
   eo.sched.max_batched_tokens = ec.n_batch;
@@ -140,6 +141,7 @@ action add_serve(CLI::App& app) {
   cmd->add_option("--host", f.host, "address to listen on")->capture_default_str();
   cmd->add_option("--port", f.port, "TCP port (0: any free port)")->capture_default_str();
   cmd->add_option("--kv-mb", f.kv_mb, "device KV cache size in MiB")->capture_default_str();
+  cmd->add_option("--device", f.engine.device, "executor device: cpu, cuda or cuda:N (a build with CUDA)")->capture_default_str();
   cmd->add_option("--max-num-seqs", f.max_num_seqs, "sequences decoded together at most")->capture_default_str();
   cmd->add_option("--max-waiting", f.max_waiting, "waiting requests at most (429 beyond)")->capture_default_str();
   cmd->add_option("--max-waiting-tokens", f.max_waiting_tokens, "prompt tokens of the waiting requests at most (429 beyond)")->capture_default_str();

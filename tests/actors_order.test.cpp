@@ -74,7 +74,7 @@ struct fixture {
   }
   engine_stats stats() {
     auto out = std::make_shared<engine_stats>();
-    sys->spawn([=](caf::event_based_actor* self) {
+    sys->spawn([this, out](caf::event_based_actor* self) {
       self->request(scheduler, caf::infinite, stats_atom::value).then([=](stats_reply& r) { *out = r.s; }, [](caf::error&) {});
     });
     sched->run();

@@ -96,6 +96,19 @@ def test_bad_token_ids():
     assert_one_error(run("generate", "--prompt-tokens", "1,99999999"), "outside the vocabulary")
 
 
+def test_serve_device_refused_at_start():
+    """--device: a bad name, or a CUDA device this machine (or build) lacks, stops `serve` at once
+    with one error line naming it (after the effective config), not a server whose circuit opens."""
+    r = run("serve", "--port", "0", "--device", "gpu")
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("troupe: error: engine.device (--device)")
+    if subprocess.run(["sh", "-c", "command -v nvidia-smi && nvidia-smi -L"], capture_output=True).returncode == 0:
+        pytest.skip("a GPU is present: the CUDA device exists")
+    r = run("serve", "--port", "0", "--device", "cuda:0")
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("troupe: error: ") and ("no CUDA device 0" in last or "no CUDA backend" in last), last
+
+
 def test_good_run_after_errors():
     r = run("generate", "-p", "The capital of France is", "-n", "4", "--temperature", "0", "-q")
     assert r.returncode == 0, r.stderr

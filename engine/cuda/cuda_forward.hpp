@@ -1,0 +1,174 @@
+// The batched transformer forward on one CUDA device: the contract of engine::cpu_forward
+// (mixed prefill chunks and decodes, each sequence in its own paged KV), with the KV cache, a
+// pinned host swap pool and the weights on the device.
+//
+// A step: the step layout (token ids, positions, block tables, ...) is written to one pinned
+// staging buffer and sent with one copy to fixed device addresses; then embed_rows and per layer
+// add_rmsnorm (fusing the residual add of the previous layer's output), the QKV GEMM,
+// rope_qkv_store, paged_attention, the O GEMM, add_rmsnorm, the gate|up GEMM, swiglu and the down
+// GEMM; the final add_rmsnorm; and the output GEMM on only the rows that need logits (gathered).
+//
+// Decode-only steps (every chunk one token, at most 256 sequences) are padded to a batch bucket
+// (1, 2, 4, ..., 256) with dummy rows that read and write a reserved scratch KV block, and
+// attention is told an upper bound of the longest context (a power of two >= 256). With
+// use_graphs such a step is captured once per (bucket, context bound) as a CUDA graph and then
+// replayed: replays only copy the new layout. Eager and graph runs of a decode step launch the
+// same kernels with the same arguments, so their logits are identical. Mixed and prefill steps
+// run eagerly at their exact size.
+//
+// Streams: compute on one stream; block copies (swap and copy-on-write) on a copy stream that the
+// next step waits for through an event, so copies overlap host work and earlier compute.
+// forward() and forward_sample() return when their step has finished; copy_blocks() returns at
+// once. Every wait on the device is bounded by sync_timeout (cuda_error past it).
+//
+// Not thread-safe: one owner thread at a time (the executor). Each call selects the device first.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/block_manager.hpp"
+#include "engine/cuda/cuda_util.hpp"
+#include "engine/cuda/cuda_weights.hpp"
+#include "engine/cuda/gemm.hpp"
+#include "engine/forward.hpp"
+#include "engine/kv_cache.hpp"
+
+namespace troupe::engine::cuda {
+
+struct cuda_options {
+  int device = 0;
+  weight_options weights;
+  /// Device KV blocks; 0: kv_memory_fraction of the memory free after weights and scratch.
+  int32_t n_blocks = 0;
+  double kv_memory_fraction = 0.9;
+  /// Blocks of the pinned host swap pool (0: none).
+  int32_t n_host_blocks = 0;
+  int block_size = 16;
+  /// Token rows per step (scratch sizing); raised to at least 256, the largest decode bucket.
+  int max_batch_tokens = 2048;
+  /// Sequences per step (up to 256: raised to a power of two, the decode bucket).
+  int max_seqs = 256;
+  /// Longest sequence (positions): with max_seqs, sizes the staged block tables.
+  int max_context = 8192;
+  /// Logits rows held on the device at once (raised to the largest decode bucket used). forward()
+  /// pages the output GEMM through more; forward_sample() accepts at most this many.
+  int max_logit_rows = 256;
+  /// Token ids of all penalty histories of one forward_sample() together.
+  int max_history_tokens = 1 << 18;
+  /// Flash-decoding splits for decode rows (0: none).
+  int attention_splits = 16;
+  bool use_graphs = true;
+  /// Longest wait for the device before cuda_error.
+  std::chrono::milliseconds sync_timeout{120000};
+  /// Seed of synthetic weights.
+  uint64_t synthetic_seed = 1;
+};
+
+class cuda_forward {
+ public:
+  /// Uploads m's weights to o.device and allocates the KV cache and scratch. m must outlive the
+  /// construction only (weights are copied). Throws cuda_error on a bad device index, short
+  /// memory (naming what was asked and what was free) or a failed launch.
+  cuda_forward(const model& m, const cuda_options& o);
+  /// Random bf16 weights for a named architecture (synthetic_hparams), generated on the device.
+  static std::unique_ptr<cuda_forward> synthetic(const std::string& arch, const cuda_options& o);
+  ~cuda_forward();
+  cuda_forward(const cuda_forward&) = delete;
+  cuda_forward& operator=(const cuda_forward&) = delete;
+
+  const model_hparams& hparams() const { return weights_.hparams(); }
+  const kv_shape& kv() const { return kv_shape_; }
+  int32_t n_blocks() const { return n_blocks_; }
+  int32_t n_host_blocks() const { return n_host_blocks_; }
+
+  /// Enqueues block copies (device <-> host pool, device -> device) on the copy stream, in list
+  /// order; the next step waits for them. Returns at once. Throws std::invalid_argument (nothing
+  /// enqueued) when a block id is outside its pool.
+  void copy_blocks(std::span<const block_copy> ops);
+
+  /// As cpu_forward::forward: logits (fp32, n_vocab per row) for every token of all_logits
+  /// chunks, none for no_logits chunks, else each chunk's last token, in batch order. Writes the
+  /// KV of every token. Throws std::invalid_argument (nothing run) for a token id out of range, a
+  /// block table that does not cover its positions or names a block outside [0, n_blocks()), or
+  /// a batch beyond the capacities in cuda_options; cuda_error for a device failure.
+  const std::vector<float>& forward(std::span<const seq_chunk> batch);
+
+  /// Runs the step and samples on the device (logits never leave it): one token per logits row
+  /// (rows as forward() would return them), with params[i] and, when histories is not empty, the
+  /// penalty history histories[i] for row i. Same errors as forward(), and std::invalid_argument
+  /// when the sizes disagree or the rows exceed max_logit_rows.
+  std::vector<int32_t> forward_sample(std::span<const seq_chunk> batch, std::span<const kc::sample_row_params> params,
+                                      std::span<const std::span<const int32_t>> histories = {});
+
+  /// Waits (bounded) until all enqueued copies and steps are done.
+  void synchronize();
+
+  /// The device KV cache (tests and tools read blocks through it).
+  kc::kv_cache_view kv_view() const;
+  /// Start of host swap block b (block_bytes of kv()).
+  const void* host_block(int32_t b) const;
+  /// Weight bytes a batch-1 decode step reads (see device_weights::decode_bytes_per_token).
+  size_t decode_bytes_per_token() const { return weights_.decode_bytes_per_token(); }
+  /// Device bytes of weights, KV cache and scratch.
+  size_t device_bytes() const;
+  /// CUDA graphs captured so far.
+  size_t n_graphs() const { return graphs_.size(); }
+
+ private:
+  struct synthetic_tag {};
+  cuda_forward(synthetic_tag, const model_hparams& hp, const cuda_options& o);
+  struct plan;
+  void setup();
+  void validate(std::span<const seq_chunk> batch) const;
+  plan prepare(std::span<const seq_chunk> batch);
+  void stage_sampling(plan& p, std::span<const kc::sample_row_params> params,
+                      std::span<const std::span<const int32_t>> histories);
+  void launch(const plan& p);
+  void run_layers(const plan& p, cudaStream_t s);
+  void linear(const dev_matrix& w, const bf16* x, bf16* y, int rows, cudaStream_t s);
+  void output_rows(const plan& p, int first, int count, cudaStream_t s);
+  cudaGraphExec_t capture(const plan& p, cudaStream_t s);
+  void resize_host_logits(size_t n);
+  void finish_step(const char* what);
+
+  // Declared first: the device is selected before any member allocates.
+  cuda_options opt_;
+  int device_ = 0;
+  stream_handle compute_, copy_;
+  event_handle copies_done_, step_done_, sync_event_;
+  bool copies_pending_ = false;
+  device_weights weights_;
+  gemm_runner gemm_;
+
+  kv_shape kv_shape_;
+  int32_t n_blocks_ = 0, n_host_blocks_ = 0;  // the device pool holds one more: the scratch block
+  device_buffer kv_;
+  pinned_buffer host_kv_;
+
+  // Capacities (after raising) and the fixed layout of the staging buffers.
+  int cap_tokens_ = 0, cap_seqs_ = 0, cap_logits_ = 0, cap_bt_ = 0, cap_history_ = 0, cap_split_rows_ = 0;
+  struct staging_offsets {
+    size_t tokens, token_pos, token_seq, q_start, pos0, bt_start, out_rows, hist_start, sample_params, block_tables,
+        history, end;
+  } off_{};
+  pinned_buffer stage_host_;
+  device_buffer stage_dev_;
+
+  // Activations and outputs.
+  device_buffer x_, h_, qkv_, q_, attn_, y_, gu_, act_, out_rows_, logits_dev_, attn_scratch_, sample_scratch_, tokens_dev_,
+      expand_;
+  pinned_buffer tokens_host_;
+  std::vector<float> logits_;
+  bool logits_registered_ = false;
+
+  std::map<std::pair<int, int>, cudaGraphExec_t> graphs_;  // (bucket, context bound) -> graph
+};
+
+}  // namespace troupe::engine::cuda

@@ -1,0 +1,108 @@
+#include "engine/cuda/cuda_util.hpp"
+
+#include <string>
+#include <thread>
+#include <utility>
+
+namespace troupe::engine::cuda {
+
+namespace {
+
+std::string mib(size_t bytes) { return std::to_string(bytes >> 20) + " MiB"; }
+
+}  // namespace
+
+void select_device(int device) {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) throw kc::cuda_error(std::string("no usable CUDA device: ") + cudaGetErrorString(e));
+  if (device < 0 || device >= n)
+    throw kc::cuda_error("CUDA device " + std::to_string(device) + " requested, " + std::to_string(n) + " present");
+  kc::check(cudaSetDevice(device), "cudaSetDevice");
+}
+
+device_buffer::device_buffer(size_t bytes, const char* what) : n_(bytes) {
+  if (bytes == 0) return;
+  const cudaError_t e = cudaMalloc(&p_, bytes);
+  if (e == cudaSuccess) return;
+  cudaGetLastError();  // not sticky: clear it so a later check_launch does not report it
+  p_ = nullptr;
+  size_t free_b = 0, total_b = 0;
+  cudaMemGetInfo(&free_b, &total_b);
+  throw kc::cuda_error(std::string("out of device memory allocating ") + what + ": " + mib(bytes) + " asked, " + mib(free_b) +
+                       " free of " + mib(total_b) + " (" + cudaGetErrorString(e) + ")");
+}
+
+device_buffer::~device_buffer() {
+  if (p_) cudaFree(p_);
+}
+
+device_buffer::device_buffer(device_buffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+
+device_buffer& device_buffer::operator=(device_buffer&& o) noexcept {
+  if (this != &o) {
+    if (p_) cudaFree(p_);
+    p_ = std::exchange(o.p_, nullptr);
+    n_ = std::exchange(o.n_, 0);
+  }
+  return *this;
+}
+
+pinned_buffer::pinned_buffer(size_t bytes, const char* what) : n_(bytes) {
+  if (bytes == 0) return;
+  const cudaError_t e = cudaHostAlloc(&p_, bytes, cudaHostAllocDefault);
+  if (e == cudaSuccess) return;
+  cudaGetLastError();
+  p_ = nullptr;
+  throw kc::cuda_error(std::string("cannot allocate pinned host memory for ") + what + ": " + mib(bytes) + " asked (" +
+                       cudaGetErrorString(e) + ")");
+}
+
+pinned_buffer::~pinned_buffer() {
+  if (p_) cudaFreeHost(p_);
+}
+
+pinned_buffer::pinned_buffer(pinned_buffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+
+pinned_buffer& pinned_buffer::operator=(pinned_buffer&& o) noexcept {
+  if (this != &o) {
+    if (p_) cudaFreeHost(p_);
+    p_ = std::exchange(o.p_, nullptr);
+    n_ = std::exchange(o.n_, 0);
+  }
+  return *this;
+}
+
+stream_handle::stream_handle() { kc::check(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "cudaStreamCreate"); }
+
+stream_handle::~stream_handle() {
+  if (s_) cudaStreamDestroy(s_);
+}
+
+event_handle::event_handle() { kc::check(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming), "cudaEventCreate"); }
+
+event_handle::~event_handle() {
+  if (e_) cudaEventDestroy(e_);
+}
+
+void wait_event(cudaEvent_t ev, std::chrono::milliseconds timeout, const char* what) {
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  for (;;) {
+    const cudaError_t e = cudaEventQuery(ev);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) kc::check(e, what);
+    const auto waited = clock::now() - t0;
+    if (waited > timeout)
+      throw kc::cuda_error(std::string(what) + ": the device did not finish within " + std::to_string(timeout.count()) +
+                           " ms (a hung kernel?)");
+    if (waited > std::chrono::milliseconds(1)) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+void sync_stream(cudaStream_t s, cudaEvent_t scratch_event, std::chrono::milliseconds timeout, const char* what) {
+  kc::check(cudaEventRecord(scratch_event, s), what);
+  wait_event(scratch_event, timeout, what);
+}
+
+}  // namespace troupe::engine::cuda

@@ -1,0 +1,232 @@
+// troupe_gpu_bench: device figures for docs/perf.md, one line each, "name value unit".
+//
+//   troupe_gpu_bench [--arch llama-3-8b] [--context 512] [--steps 20] [--device 0]
+//
+// - d2d_copy_bandwidth: cudaMemcpy of 2 GiB device to device, best of 5, counting bytes read
+//   plus bytes written (2 x 2 GiB per copy): the rate HBM sustains for a pure stream.
+// - gemm_*: cuBLASLt bf16 GEMM (fp32 accumulate) at 8192^3 and at the prefill shapes of the
+//   architecture (2048 token rows times each fused weight matrix), mean of 20 after 3 warm-ups.
+// - decode_b{1,64,256}: synthetic weights of the architecture, every sequence at a context that
+//   ends at --context, one token per sequence per step through forward_sample (greedy, on the
+//   device), host wall time per step (graph replay; b1 also eager). roofline: weight bytes plus
+//   KV bytes read per step, over the measured copy bandwidth (read + write counted once each).
+// - prefill_2048: one 2048-token chunk, best of 3; FLOPs = 2 * layer params * tokens + 2 * head
+//   params (one logits row) + causal attention 4 * n_heads * head_dim * T(T+1)/2 per layer.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/cuda/cuda_forward.hpp"
+
+using namespace troupe::engine;
+namespace ec = troupe::engine::cuda;
+namespace kc = troupe::kernels::cuda;
+
+namespace {
+
+void line(const std::string& name, double value, const char* unit) { std::printf("%s %.4g %s\n", name.c_str(), value, unit); }
+
+// Times `fn` (enqueueing on s) with events: seconds per call, mean of n after `warm` warm-ups.
+template <class Fn>
+double time_on_stream(cudaStream_t s, int warm, int n, Fn&& fn) {
+  cudaEvent_t a, b;
+  kc::check(cudaEventCreate(&a), "cudaEventCreate");
+  kc::check(cudaEventCreate(&b), "cudaEventCreate");
+  for (int i = 0; i < warm; ++i) fn();
+  kc::check(cudaEventRecord(a, s), "cudaEventRecord");
+  for (int i = 0; i < n; ++i) fn();
+  kc::check(cudaEventRecord(b, s), "cudaEventRecord");
+  kc::check(cudaEventSynchronize(b), "cudaEventSynchronize");
+  float ms = 0.0f;
+  kc::check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms / 1e3 / n;
+}
+
+// Bytes moved per second by a 2 GiB device-to-device copy (read + write), best of 5.
+double copy_bandwidth(cudaStream_t s) {
+  const size_t bytes = size_t{2} << 30;
+  ec::device_buffer a(bytes, "the copy benchmark source"), b(bytes, "the copy benchmark destination");
+  kc::check(cudaMemsetAsync(a.as<void>(), 1, bytes, s), "cudaMemset");
+  double best = 1e30;
+  for (int i = 0; i < 5; ++i)
+    best = std::min(best, time_on_stream(s, i == 0 ? 1 : 0, 1, [&] {
+      kc::check(cudaMemcpyAsync(b.as<void>(), a.as<void>(), bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpy");
+    }));
+  return 2.0 * (double)bytes / best;
+}
+
+// FLOP/s of y[m, n] = x[m, k] W^T in bf16.
+double gemm_rate(ec::gemm_runner& g, cudaStream_t s, int m, int n, int k) {
+  ec::device_buffer x((size_t)m * k * 2, "GEMM x"), w((size_t)n * k * 2, "GEMM w"), y((size_t)m * n * 2, "GEMM y");
+  ec::fill_uniform_bf16(x.as<ec::bf16>(), (int64_t)m * k, 1.0f, 1, s);
+  ec::fill_uniform_bf16(w.as<ec::bf16>(), (int64_t)n * k, 0.02f, 2, s);
+  const double t = time_on_stream(s, 3, 20, [&] { g.run(x.as<ec::bf16>(), w.as<ec::bf16>(), y.as<void>(), ec::gemm_out::bf16, m, n, k, s); });
+  return 2.0 * m * n * k / t;
+}
+
+struct args {
+  std::string arch = "llama-3-8b";
+  int context = 512;
+  int steps = 20;
+  int device = 0;
+};
+
+args parse(int argc, char** argv) {
+  args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    if (i + 1 >= argc) throw std::invalid_argument("missing value after " + k);
+    const std::string v = argv[++i];
+    if (k == "--arch") a.arch = v;
+    else if (k == "--context") a.context = std::stoi(v);
+    else if (k == "--steps") a.steps = std::stoi(v);
+    else if (k == "--device") a.device = std::stoi(v);
+    else throw std::invalid_argument("unknown option " + k + " (--arch, --context, --steps, --device)");
+  }
+  if (a.context < a.steps + 4 || a.steps < 1) throw std::invalid_argument("--context must exceed --steps + 3, --steps >= 1");
+  return a;
+}
+
+// Decode steps of `batch` sequences whose contexts end at a.context; seconds per step.
+double decode_step_time(ec::cuda_forward& f, int batch, const args& a) {
+  const int warm = 3;
+  const int bs = f.kv().block_size;
+  const int n_steps = warm + a.steps;
+  const int pos_start = a.context - n_steps;  // the last step attends over a.context positions
+  const int bps = kv_blocks_for(a.context, bs);
+  std::vector<std::vector<int32_t>> tables((size_t)batch, std::vector<int32_t>((size_t)bps));
+  for (int s = 0; s < batch; ++s)
+    for (int j = 0; j < bps; ++j) tables[(size_t)s][(size_t)j] = j * batch + s;  // interleaved across sequences
+  std::vector<token_id> tokens((size_t)batch, 1);
+  std::vector<seq_chunk> chunks((size_t)batch);
+  std::vector<kc::sample_row_params> params((size_t)batch);
+  for (auto& p : params) p.temperature = 0.0f;
+  double t = 0.0;
+  for (int step = 0; step < n_steps; ++step) {
+    for (int s = 0; s < batch; ++s)
+      chunks[(size_t)s] = {std::span(&tokens[(size_t)s], 1), pos_start + step, tables[(size_t)s]};
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<int32_t> next = f.forward_sample(chunks, params);
+    if (step >= warm) t += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::copy(next.begin(), next.end(), tokens.begin());
+  }
+  return t / a.steps;
+}
+
+void run(const args& a) {
+  ec::select_device(a.device);
+  cudaDeviceProp prop{};
+  kc::check(cudaGetDeviceProperties(&prop, a.device), "cudaGetDeviceProperties");
+  std::printf("# device %s, arch %s, context %d, %d timed steps\n", prop.name, a.arch.c_str(), a.context, a.steps);
+  const model_hparams hp = ec::synthetic_hparams(a.arch);
+  ec::stream_handle stream;
+  const cudaStream_t s = stream.get();
+
+  const double bw = copy_bandwidth(s);
+  line("d2d_copy_bandwidth", bw / 1e9, "GB/s");
+
+  double gemm_8192 = 0.0, prefill_gemm_flops = 0.0, prefill_gemm_time = 0.0;
+  {
+    ec::gemm_runner g;
+    gemm_8192 = gemm_rate(g, s, 8192, 8192, 8192);
+    line("gemm_bf16_8192", gemm_8192 / 1e12, "TFLOP/s");
+    const int64_t qkv = (int64_t)(hp.n_heads + 2 * hp.n_kv_heads) * hp.head_dim, qd = (int64_t)hp.n_heads * hp.head_dim;
+    const int64_t shapes[4][2] = {{qkv, hp.d_model}, {hp.d_model, qd}, {2 * (int64_t)hp.d_ff, hp.d_model}, {hp.d_model, hp.d_ff}};
+    for (const auto& sh : shapes) {
+      const double r = gemm_rate(g, s, 2048, (int)sh[0], (int)sh[1]);
+      line("gemm_bf16_m2048_n" + std::to_string(sh[0]) + "_k" + std::to_string(sh[1]), r / 1e12, "TFLOP/s");
+      prefill_gemm_flops += 2.0 * 2048 * (double)sh[0] * (double)sh[1];
+      prefill_gemm_time += 2.0 * 2048 * (double)sh[0] * (double)sh[1] / r;
+    }
+    line("gemm_bf16_prefill_shapes", prefill_gemm_flops / prefill_gemm_time / 1e12, "TFLOP/s");
+  }
+
+  // One model for every figure: KV for 256 sequences at the context, plus a 2048-token prefill.
+  const int bs = 16;
+  ec::cuda_options o;
+  o.device = a.device;
+  o.weights.mode = ec::weights_mode::bf16;
+  o.block_size = bs;
+  o.max_seqs = 256;
+  o.max_context = std::max(a.context, 2048);
+  o.max_batch_tokens = 2048;
+  o.n_blocks = std::max(256 * kv_blocks_for(a.context, bs), kv_blocks_for(2048, bs));
+  auto f = ec::cuda_forward::synthetic(a.arch, o);
+  line("device_memory_used", (double)f->device_bytes() / (1 << 30), "GiB");
+  const double weight_bytes = (double)f->decode_bytes_per_token();
+  line("weight_bytes", weight_bytes / 1e9, "GB");
+  const double kv_bytes_per_pos = (double)f->kv().block_bytes() / bs;
+
+  for (int batch : {1, 64, 256}) {
+    const std::string b = "decode_b" + std::to_string(batch);
+    const double t = decode_step_time(*f, batch, a);
+    // Average context over the timed steps is about a.context - steps / 2.
+    const double kv_read = (double)batch * (a.context - a.steps / 2.0) * kv_bytes_per_pos;
+    const double roofline = (weight_bytes + kv_read) / bw;
+    line(b + "_step", t * 1e3, "ms");
+    line(b + "_tokens_per_s", batch / t, "tok/s");
+    line(b + "_roofline_step", roofline * 1e3, "ms");
+    line(b + "_time_over_roofline", t / roofline, "x");
+  }
+  {
+    ec::cuda_options eo = o;
+    eo.use_graphs = false;
+    eo.n_blocks = kv_blocks_for(a.context, bs) + 1;
+    f.reset();  // one copy of the weights at a time
+    auto e = ec::cuda_forward::synthetic(a.arch, eo);
+    line("decode_b1_eager_step", decode_step_time(*e, 1, a) * 1e3, "ms");
+    e.reset();
+    f = ec::cuda_forward::synthetic(a.arch, o);
+  }
+
+  {
+    const int T = 2048;
+    std::vector<token_id> tokens(T);
+    std::mt19937 g(3);
+    for (auto& t : tokens) t = (token_id)(g() % (unsigned)hp.n_vocab);
+    std::vector<int32_t> table((size_t)kv_blocks_for(T, bs));
+    for (size_t j = 0; j < table.size(); ++j) table[j] = (int32_t)j;
+    seq_chunk c{tokens, 0, table};
+    kc::sample_row_params greedy;
+    greedy.temperature = 0.0f;
+    double best = 1e30;
+    for (int i = 0; i < 4; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      f->forward_sample(std::span(&c, 1), std::span(&greedy, 1));
+      const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (i > 0) best = std::min(best, t);  // the first run chooses GEMM algorithms
+    }
+    const double d = hp.d_model, qd = (double)hp.n_heads * hp.head_dim, kvd = (double)hp.n_kv_heads * hp.head_dim;
+    const double layer_params = d * (qd + 2 * kvd) + qd * d + 3.0 * d * hp.d_ff;
+    const double flops = 2.0 * layer_params * hp.n_layers * T + 2.0 * d * hp.n_vocab +
+                         (double)hp.n_layers * 4.0 * qd * ((double)T * (T + 1) / 2.0);
+    line("prefill_2048", best * 1e3, "ms");
+    line("prefill_2048_tflops", flops / best / 1e12, "TFLOP/s");
+    line("prefill_2048_fraction_of_gemm_8192", flops / best / gemm_8192, "x");
+    line("prefill_2048_fraction_of_gemm_prefill_shapes", flops / best / (prefill_gemm_flops / prefill_gemm_time), "x");
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (kc::device_count() == 0) {
+      std::fprintf(stderr, "troupe_gpu_bench: no CUDA device\n");
+      return 77;
+    }
+    run(parse(argc, argv));
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "troupe_gpu_bench: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,208 @@
+// paged_attention against kernels::attention_row on the same fp16 cache: mixed steps (chunked
+// prefill continuing a cached prefix, q_len off the tile sizes, decode rows short and long enough
+// to split), GQA ratios 1 to 16, head_dim 64 and 128, shuffled block tables. Cache slots no row
+// may read (past each sequence's KV, unused blocks, the other layer) hold NaN, as does the output
+// before the call.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/test_util.hpp"
+#include "kernels/ops.hpp"
+
+namespace {
+
+using namespace troupe::kernels::cuda;
+using namespace troupe::kernels::cuda::test;
+namespace cpu = troupe::kernels;
+
+struct seq_spec {
+  int pos0;
+  int q_len;
+};
+
+struct attn_case {
+  int n_heads, n_kv_heads, head_dim;
+  int max_splits;
+  std::vector<seq_spec> seqs;
+  int extra_q_len = 0;   // added to max_q_len / max_kv_len: the launcher must accept upper bounds
+  int extra_kv_len = 0;
+};
+
+// Mixed prefill and decode: q_len 37 / 130 / 2 / 3 (130 > 2 tiles), a continued prefix at
+// pos0 100 and 1000, decode rows with kv_len 1, 17, 700 and 3000.
+std::vector<seq_spec> mixed_step() {
+  return {{0, 37}, {100, 130}, {0, 1}, {16, 1}, {0, 2}, {699, 1}, {1000, 3}, {2999, 1}};
+}
+
+constexpr int block_size = 16;
+constexpr int n_layers = 2;
+constexpr int layer = 1;
+
+// Runs one step on the device and on the CPU; returns the normalized error of the output.
+double run_case(const attn_case& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const int hd = c.head_dim;
+  const int64_t row_elems = (int64_t)c.n_kv_heads * hd;
+  const int64_t block_elems = (int64_t)n_layers * 2 * block_size * row_elems;
+  const int n_seqs = (int)c.seqs.size();
+
+  // Block tables drawn from a shuffled pool with spare blocks, so tables are non-contiguous.
+  std::vector<int32_t> q_start{0}, pos0, bt_start, tables, token_pos, token_seq;
+  int max_q_len = 0, max_kv_len = 0, n_needed = 0;
+  for (const auto& s : c.seqs) n_needed += (s.pos0 + s.q_len + block_size - 1) / block_size;
+  const int n_blocks = n_needed + 7;
+  std::vector<int32_t> pool(n_blocks);
+  std::iota(pool.begin(), pool.end(), 0);
+  std::shuffle(pool.begin(), pool.end(), rng);
+  for (int si = 0; si < n_seqs; ++si) {
+    const auto& s = c.seqs[si];
+    const int kv_len = s.pos0 + s.q_len;
+    pos0.push_back(s.pos0);
+    bt_start.push_back((int32_t)tables.size());
+    for (int b = 0; b < (kv_len + block_size - 1) / block_size; ++b) tables.push_back(pool[tables.size()]);
+    for (int i = 0; i < s.q_len; ++i) {
+      token_pos.push_back(s.pos0 + i);
+      token_seq.push_back(si);
+    }
+    q_start.push_back(q_start.back() + s.q_len);
+    max_q_len = std::max(max_q_len, s.q_len);
+    max_kv_len = std::max(max_kv_len, kv_len);
+  }
+  const int n_tokens = q_start.back();
+
+  // Cache: NaN everywhere, then random values in the slots of each sequence's KV in `layer`.
+  std::vector<float> cache((size_t)n_blocks * block_elems, std::nanf(""));
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  for (int si = 0; si < n_seqs; ++si) {
+    const int kv_len = c.seqs[si].pos0 + c.seqs[si].q_len;
+    for (int p = 0; p < kv_len; ++p) {
+      const int64_t k0 = tables[bt_start[si] + p / block_size] * block_elems +
+                         (int64_t)layer * 2 * block_size * row_elems + (int64_t)(p % block_size) * row_elems;
+      for (int64_t i = 0; i < row_elems; ++i) {
+        cache[k0 + i] = unit(rng);
+        cache[k0 + block_size * row_elems + i] = unit(rng);
+      }
+    }
+  }
+  const std::vector<fp16> cache_h = to_fp16(cache);
+  std::vector<cpu::fp16_t> cache_bits(cache_h.size());
+  for (size_t i = 0; i < cache_h.size(); ++i) cache_bits[i] = __half_raw(cache_h[i]).x;
+
+  // Queries in [-3, 3] so the softmax is peaked at hd 128 rather than flat.
+  const std::vector<float> q = round_bf16(random_floats((size_t)n_tokens * c.n_heads * hd, rng, -3.0f, 3.0f));
+  const float scale = 1.0f / std::sqrt((float)hd);
+
+  cpu::kv_layer_view view;
+  view.k_base = cache_bits.data() + (int64_t)layer * 2 * block_size * row_elems;
+  view.v_base = view.k_base + block_size * row_elems;
+  view.block_stride = block_elems;
+  view.block_size = block_size;
+  view.n_kv_heads = c.n_kv_heads;
+  view.head_dim = hd;
+  std::vector<float> want((size_t)n_tokens * c.n_heads * hd);
+  std::vector<float> scratch(max_kv_len);
+  for (int t = 0; t < n_tokens; ++t) {
+    const int si = token_seq[t];
+    cpu::attention_row(q.data() + (size_t)t * c.n_heads * hd, c.n_heads, token_pos[t], view,
+                       tables.data() + bt_start[si], scale, want.data() + (size_t)t * c.n_heads * hd, 0, c.n_heads,
+                       scratch.data());
+  }
+
+  dev_buf<fp16> d_cache(cache_h);
+  dev_buf<bf16> d_q(to_bf16(q));
+  dev_buf<int32_t> d_q_start(q_start), d_pos0(pos0), d_bt_start(bt_start), d_tables(tables),
+      d_token_pos(token_pos), d_token_seq(token_seq);
+  dev_buf<bf16> d_out((size_t)n_tokens * c.n_heads * hd);
+  d_out.poison();
+  const size_t scratch_bytes = attention_scratch_bytes(n_tokens, c.n_heads, hd, c.max_splits);
+  dev_buf<float> d_scratch(scratch_bytes / sizeof(float));
+  d_scratch.poison();
+
+  step_layout st;
+  st.n_seqs = n_seqs;
+  st.n_tokens = n_tokens;
+  st.max_q_len = max_q_len + c.extra_q_len;
+  st.max_kv_len = max_kv_len + c.extra_kv_len;
+  st.q_start = d_q_start.p;
+  st.pos0 = d_pos0.p;
+  st.bt_start = d_bt_start.p;
+  st.block_tables = d_tables.p;
+  st.token_pos = d_token_pos.p;
+  st.token_seq = d_token_seq.p;
+  kv_cache_view kv;
+  kv.base = d_cache.p;
+  kv.block_elems = block_elems;
+  kv.n_layers = n_layers;
+  kv.block_size = block_size;
+  kv.n_kv_heads = c.n_kv_heads;
+  kv.head_dim = hd;
+  attention_scratch sc;
+  if (c.max_splits > 0) {
+    sc.partial_out = d_scratch.p;
+    sc.partial_ml = d_scratch.p + (size_t)n_tokens * c.n_heads * c.max_splits * hd;
+    sc.max_splits = c.max_splits;
+  }
+  paged_attention(d_q.p, st, kv, layer, c.n_heads, scale, d_out.p, sc, nullptr);
+  check(cudaDeviceSynchronize(), "paged_attention");
+  return normalized_error(from_bf16(d_out.download()), want);
+}
+
+}  // namespace
+
+TEST_CASE("paged_attention matches the CPU reference on mixed steps", "[cuda]") {
+  struct shape {
+    int n_heads, n_kv_heads, head_dim;
+  };
+  const shape sh = GENERATE(shape{9, 3, 64},     // SmolLM2: GQA 3
+                            shape{32, 8, 128},   // Llama-3-8B: GQA 4
+                            shape{8, 8, 128},    // no GQA
+                            shape{28, 4, 128},   // Qwen2.5-7B: GQA 7
+                            shape{16, 1, 64});   // GQA 16: two decode CTAs per kv head
+  const int max_splits = GENERATE(0, 16);
+  const uint64_t seed = fresh_seed();
+  INFO("n_heads " << sh.n_heads << " n_kv_heads " << sh.n_kv_heads << " head_dim " << sh.head_dim << " max_splits "
+                  << max_splits << " seed " << seed);
+  attn_case c{sh.n_heads, sh.n_kv_heads, sh.head_dim, max_splits, mixed_step()};
+  CHECK(run_case(c, seed) <= 2e-2);
+}
+
+TEST_CASE("paged_attention decode-only batch splits long rows", "[cuda]") {
+  const int head_dim = GENERATE(64, 128);
+  const uint64_t seed = fresh_seed();
+  INFO("head_dim " << head_dim << " seed " << seed);
+  attn_case c{32, 8, head_dim, 16, {{0, 1}, {512, 1}, {513, 1}, {1023, 1}, {4095, 1}, {77, 1}, {2500, 1}}};
+  CHECK(run_case(c, seed) <= 2e-2);
+}
+
+TEST_CASE("paged_attention accepts upper bounds for max_q_len and max_kv_len", "[cuda]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  attn_case c{9, 3, 64, 8, mixed_step(), 200, 5000};
+  CHECK(run_case(c, seed) <= 2e-2);
+}
+
+TEST_CASE("paged_attention long prefill with a single sequence", "[cuda]") {
+  const int head_dim = GENERATE(64, 128);
+  const uint64_t seed = fresh_seed();
+  INFO("head_dim " << head_dim << " seed " << seed);
+  attn_case c{32, 8, head_dim, 16, {{0, 1000}}};
+  CHECK(run_case(c, seed) <= 2e-2);
+}
+
+TEST_CASE("paged_attention rejects unsupported shapes", "[cuda]") {
+  step_layout st;
+  kv_cache_view kv;
+  kv.n_layers = 1;
+  kv.n_kv_heads = 2;
+  kv.head_dim = 96;
+  const attention_scratch sc;
+  CHECK_THROWS_AS(paged_attention(nullptr, st, kv, 0, 4, 1.0f, nullptr, sc, nullptr), cuda_error);
+  kv.head_dim = 64;
+  CHECK_THROWS_AS(paged_attention(nullptr, st, kv, 0, 5, 1.0f, nullptr, sc, nullptr), cuda_error);  // 5 % 2
+}

@@ -1,0 +1,23 @@
+// Error reporting and device discovery shared by every launcher.
+#include <string>
+
+#include "kernels/cuda/cuda_kernels.hpp"
+
+namespace troupe::kernels::cuda {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw cuda_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it so a later check_launch does not report it
+    return 0;
+  }
+  return n;
+}
+
+}  // namespace troupe::kernels::cuda

@@ -1,0 +1,177 @@
+// CUDA kernels of the transformer forward (sm_90). Host-callable launchers: each enqueues its
+// work on `stream` and returns at once; none synchronizes, none allocates (callers pass scratch).
+// Activations are bf16 in HBM except the residual stream (fp32, for accuracy over many layers)
+// and logits (fp32). The paged KV cache has the CPU layout (engine/kv_cache.hpp): fp16, block b
+// holds for every layer K then V of block_size positions, each position n_kv_heads * head_dim
+// values, so a block is one contiguous span and swaps to host with one copy.
+//
+// Launch errors are reported by check_launch() (cudaGetLastError) and thrown as cuda_error.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace troupe::kernels::cuda {
+
+using bf16 = __nv_bfloat16;
+using fp16 = __half;
+
+/// A CUDA runtime or library failure, with the call and the error string.
+class cuda_error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Throws cuda_error naming `what` when `e` is not cudaSuccess.
+void check(cudaError_t e, const char* what);
+/// Throws when the last launch failed (cudaGetLastError).
+void check_launch(const char* kernel);
+/// Number of CUDA devices (0 where there is no driver or no GPU; never throws).
+int device_count();
+
+// ---- element-wise and per-row ----------------------------------------------------------------
+
+/// out[r, :] = float(table[tokens[r], :]) for r in [0, rows). table is bf16 [n_vocab, d].
+void embed_rows(const bf16* table, const int32_t* tokens, float* out, int rows, int d, cudaStream_t stream);
+
+/// Fused residual add + RMSNorm: for each row r, when `add` is not null residual[r] += add[r]
+/// (bf16 -> fp32); then y[r] = bf16(residual[r] / sqrt(mean(residual[r]^2) + eps) * w).
+/// residual fp32 [rows, n], w fp32 [n], y bf16 [rows, n].
+void add_rmsnorm(float* residual, const bf16* add, const float* w, bf16* y, int rows, int n, float eps,
+                 cudaStream_t stream);
+
+/// Final residual add without norm: residual[r] += add[r].
+void add_residual(float* residual, const bf16* add, int rows, int n, cudaStream_t stream);
+
+/// SwiGLU over a fused gate|up GEMM output: gu bf16 [rows, 2 * d_ff] (gate in [0, d_ff), up in
+/// [d_ff, 2 d_ff)); out bf16 [rows, d_ff] = silu(gate) * up, computed in fp32.
+void swiglu(const bf16* gu, bf16* out, int rows, int d_ff, cudaStream_t stream);
+
+/// Float -> bf16 conversion of n values (weights on load; tests).
+void f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream);
+/// bf16 -> float conversion of n values.
+void bf16_to_f32(const bf16* in, float* out, int64_t n, cudaStream_t stream);
+
+// ---- step layout shared by RoPE/KV write and attention -----------------------------------------
+
+/// The flattened description of one step, all arrays in device memory. Token rows are grouped by
+/// sequence: sequence s owns rows [q_start[s], q_start[s+1]) at positions
+/// [pos0[s], pos0[s] + q_len); its KV lives in blocks block_tables[bt_start[s] ...]. After the
+/// step, the sequence's KV covers positions [0, pos0[s] + q_len) (kv_len = pos0 + q_len).
+struct step_layout {
+  int n_seqs = 0;
+  int n_tokens = 0;
+  int max_q_len = 0;               // >= every sequence's q_len (grid sizing; an upper bound will do,
+  int max_kv_len = 0;              // >= every pos0 + q_len       which CUDA graph replays rely on)
+  const int32_t* q_start = nullptr;      // [n_seqs + 1]
+  const int32_t* pos0 = nullptr;         // [n_seqs]
+  const int32_t* bt_start = nullptr;     // [n_seqs]: offset of the sequence's table in block_tables
+  const int32_t* block_tables = nullptr; // concatenated block tables
+  const int32_t* token_pos = nullptr;    // [n_tokens]: position of each token row
+  const int32_t* token_seq = nullptr;    // [n_tokens]: sequence of each token row
+};
+
+/// The paged KV cache on the device, one layer addressed at a time.
+struct kv_cache_view {
+  fp16* base = nullptr;      // block 0, layer 0, K
+  int64_t block_elems = 0;   // fp16 values per block (all layers, K and V)
+  int n_layers = 0;
+  int block_size = 16;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  __host__ __device__ int64_t row_elems() const { return (int64_t)n_kv_heads * head_dim; }
+  /// Start of K for (block, layer); V follows block_size rows later.
+  __host__ __device__ fp16* k_block(int32_t block, int layer) const {
+    return base + block * block_elems + (int64_t)layer * 2 * block_size * row_elems();
+  }
+  __host__ __device__ fp16* v_block(int32_t block, int layer) const {
+    return k_block(block, layer) + (int64_t)block_size * row_elems();
+  }
+};
+
+/// RoPE style, matching kernels::rope_style (normal = adjacent pairs, neox = halves).
+enum class rope_kind : int { normal = 0, neox = 1 };
+
+struct rope_params {
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0, n_rot = 0;
+  float base = 10000.0f;
+  rope_kind kind = rope_kind::normal;
+  const float* freq_factors = nullptr;  // device [n_rot / 2] or null
+};
+
+/// Fused bias + RoPE + KV-cache write for one layer. qkv bf16 [n_tokens, (n_heads + 2 n_kv) *
+/// head_dim] as the fused QKV GEMM writes it (Q heads, then K heads, then V heads). Adds the
+/// optional biases (fp32 [n_heads*hd], [n_kv*hd], [n_kv*hd]; null = none), rotates Q and K at
+/// each token's position, writes Q (bf16, rotated) to q_out [n_tokens, n_heads * head_dim], and
+/// K (rotated) and V as fp16 into the cache at the token's block/slot of `layer`.
+void rope_qkv_store(const bf16* qkv, const float* bq, const float* bk, const float* bv, const rope_params& rp,
+                    const step_layout& st, const kv_cache_view& kv, int layer, bf16* q_out, cudaStream_t stream);
+
+// ---- attention over the paged cache -------------------------------------------------------------
+
+/// Causal attention for every token row of the step over its sequence's paged KV (positions
+/// [0, token_pos] of the row's sequence), GQA aware (query head h reads kv head h / (n_heads /
+/// n_kv_heads)). q bf16 [n_tokens, n_heads * hd]; out bf16 likewise. FlashAttention-style:
+/// tiles of queries against tiles of keys with an online softmax in fp32; no score matrix in
+/// memory. Rows of decode-only sequences (q_len 1) take a split-KV path (flash-decoding) when
+/// their KV is long: partial results go to `scratch` and are merged by a second kernel.
+/// head_dim must be 64 or 128 (others: cuda_error). scale usually 1/sqrt(head_dim).
+struct attention_scratch {
+  float* partial_out = nullptr;  // [n_tokens, n_heads, max_splits, head_dim]
+  float* partial_ml = nullptr;   // [n_tokens, n_heads, max_splits, 2] (running max, sum)
+  int max_splits = 0;            // 0 disables split-KV
+};
+/// Bytes of scratch needed for n_tokens rows with up to max_splits splits.
+size_t attention_scratch_bytes(int n_tokens, int n_heads, int head_dim, int max_splits);
+
+void paged_attention(const bf16* q, const step_layout& st, const kv_cache_view& kv, int layer, int n_heads,
+                     float scale, bf16* out, const attention_scratch& scratch, cudaStream_t stream);
+
+// ---- weight-only quantized GEMV (decode from quantized memory) ----------------------------------
+
+/// GGUF quantized block types usable directly by gemv_quant (the raw GGUF block layout).
+enum class quant_type : int { q8_0 = 0, q4_0 = 1, q4_k = 2 };
+
+/// y[b, o] = sum_i W[o, i] * x[b, i] for b in [0, batch) (batch <= 8), W stored as GGUF blocks,
+/// row-major, `n_in` values per row (a multiple of the block size: 32, or 256 for q4_k). x bf16
+/// [batch, n_in]; y bf16 [batch, n_out]. Accumulates in fp32.
+void gemv_quant(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch,
+                cudaStream_t stream);
+
+/// Expands GGUF blocks of type t (n values, a multiple of the block size) into bf16.
+void dequant_to_bf16(quant_type t, const void* w, int64_t n, bf16* out, cudaStream_t stream);
+
+// ---- sampling on the device ---------------------------------------------------------------------
+
+/// Per-row sampling parameters (device array of n_rows). temperature <= 0 means greedy (argmax,
+/// lowest index wins a tie). top_k <= 0: off; top_p >= 1: off; min_p <= 0: off. Penalties use
+/// the row's recent tokens (history[hist_start[r] .. hist_start[r+1]) on the device): repetition
+/// (llama.cpp: logit > 0 ? logit / rp : logit * rp), presence and frequency (OpenAI). The random
+/// draw is a counter-based hash of (seed, draw) so a row's token depends on nothing else.
+struct sample_row_params {
+  float temperature = 1.0f;
+  int top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  float repetition_penalty = 1.0f;
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  uint64_t seed = 0;
+  uint64_t draw = 0;
+};
+
+/// Scratch for sample_tokens: bytes needed for n_rows rows of n_vocab.
+size_t sample_scratch_bytes(int n_rows, int n_vocab);
+
+/// logits fp32 [n_rows, n_vocab] (modified in place by the penalties only; temperature is applied
+/// on the fly); writes one token per row to out_tokens (device int32 [n_rows]).
+void sample_tokens(float* logits, int n_rows, int n_vocab, const sample_row_params* params,
+                   const int32_t* history, const int32_t* hist_start, void* scratch, int32_t* out_tokens,
+                   cudaStream_t stream);
+
+}  // namespace troupe::kernels::cuda

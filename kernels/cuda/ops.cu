@@ -1,0 +1,330 @@
+// Element-wise and per-row kernels: embedding gather, fused residual add + RMSNorm, SwiGLU, dtype
+// conversions, and the fused bias + RoPE + KV-cache write. All are memory bound: rows are read
+// with 16-byte vector loads where the row length and pointer alignment allow (a scalar
+// instantiation handles the rest), math is fp32.
+#include <cstdint>
+
+#include "kernels/cuda/cuda_kernels.hpp"
+
+namespace troupe::kernels::cuda {
+
+namespace {
+
+constexpr int row_threads = 256;    // per-row kernels: one block per row
+constexpr int flat_threads = 256;   // flat element-wise kernels
+constexpr int flat_max_blocks = 8192;
+constexpr int rope_threads = 128;   // one block per token row
+
+bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// V consecutive values to or from registers; V is 1, 4 or 8 and the pointer is V-element aligned.
+template <int V>
+__device__ __forceinline__ void load(const float* p, float (&v)[V]) {
+  if constexpr (V % 4 == 0) {
+#pragma unroll
+    for (int k = 0; k < V; k += 4) {
+      const float4 t = *reinterpret_cast<const float4*>(p + k);
+      v[k] = t.x, v[k + 1] = t.y, v[k + 2] = t.z, v[k + 3] = t.w;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = p[k];
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store(float* p, const float (&v)[V]) {
+  if constexpr (V % 4 == 0) {
+#pragma unroll
+    for (int k = 0; k < V; k += 4) *reinterpret_cast<float4*>(p + k) = make_float4(v[k], v[k + 1], v[k + 2], v[k + 3]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) p[k] = v[k];
+  }
+}
+
+// bf16 vectors travel as V/2 bf16 pairs in one 8- or 16-byte word.
+template <int V>
+struct bf16_word;
+template <>
+struct bf16_word<4> {
+  using type = uint2;
+};
+template <>
+struct bf16_word<8> {
+  using type = uint4;
+};
+
+template <int V>
+__device__ __forceinline__ void load(const bf16* p, float (&v)[V]) {
+  if constexpr (V >= 4) {
+    const auto w = *reinterpret_cast<const typename bf16_word<V>::type*>(p);
+    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&w);
+#pragma unroll
+    for (int k = 0; k < V / 2; ++k) {
+      const float2 f = __bfloat1622float2(h[k]);
+      v[2 * k] = f.x, v[2 * k + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = __bfloat162float(p[k]);
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store(bf16* p, const float (&v)[V]) {
+  if constexpr (V >= 4) {
+    typename bf16_word<V>::type w;
+    auto* h = reinterpret_cast<__nv_bfloat162*>(&w);
+#pragma unroll
+    for (int k = 0; k < V / 2; ++k) h[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+    *reinterpret_cast<typename bf16_word<V>::type*>(p) = w;
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) p[k] = __float2bfloat16_rn(v[k]);
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32); every thread gets it. Call once per kernel.
+__device__ float block_sum(float v) {
+  __shared__ float part[32];
+  v = warp_sum(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  v = lane < int(blockDim.x >> 5) ? part[lane] : 0.0f;
+  return warp_sum(v);
+}
+
+int grid_for(int64_t n_items, int threads) {
+  const int64_t blocks = (n_items + threads - 1) / threads;
+  return int(blocks < 1 ? 1 : blocks > flat_max_blocks ? flat_max_blocks : blocks);
+}
+
+// ---- per-row kernels --------------------------------------------------------------------------
+
+template <int V>
+__global__ void embed_rows_kernel(const bf16* table, const int32_t* tokens, float* out, int d) {
+  const bf16* src = table + int64_t(tokens[blockIdx.x]) * d;
+  float* dst = out + int64_t(blockIdx.x) * d;
+  for (int i = threadIdx.x * V; i < d; i += blockDim.x * V) {
+    float v[V];
+    load<V>(src + i, v);
+    store<V>(dst + i, v);
+  }
+}
+
+template <int V>
+__global__ void add_rmsnorm_kernel(float* residual, const bf16* add, const float* w, bf16* y, int n, float eps) {
+  const int64_t off = int64_t(blockIdx.x) * n;
+  float* x = residual + off;
+  float ss = 0.0f;
+  for (int i = threadIdx.x * V; i < n; i += blockDim.x * V) {
+    float v[V];
+    load<V>(x + i, v);
+    if (add) {
+      float a[V];
+      load<V>(add + off + i, a);
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[k] += a[k];
+      store<V>(x + i, v);
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k) ss += v[k] * v[k];
+  }
+  const float scale = 1.0f / sqrtf(block_sum(ss) / float(n) + eps);
+  // Each thread re-reads exactly the elements it wrote above, so no barrier is needed.
+  for (int i = threadIdx.x * V; i < n; i += blockDim.x * V) {
+    float v[V], g[V];
+    load<V>(x + i, v);
+    load<V>(w + i, g);
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = v[k] * scale * g[k];
+    store<V>(y + off + i, v);
+  }
+}
+
+template <int V>
+__global__ void swiglu_kernel(const bf16* gu, bf16* out, int d_ff) {
+  const bf16* gate = gu + int64_t(blockIdx.x) * 2 * d_ff;
+  const bf16* up = gate + d_ff;
+  bf16* dst = out + int64_t(blockIdx.x) * d_ff;
+  for (int i = threadIdx.x * V; i < d_ff; i += blockDim.x * V) {
+    float g[V], u[V];
+    load<V>(gate + i, g);
+    load<V>(up + i, u);
+#pragma unroll
+    for (int k = 0; k < V; ++k) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+    store<V>(dst + i, g);
+  }
+}
+
+// ---- flat element-wise kernels: chunks of V values, the ragged end element by element ----------
+
+template <int V>
+__global__ void add_residual_kernel(float* residual, const bf16* add, int64_t n) {
+  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V; i < n; i += int64_t(gridDim.x) * blockDim.x * V) {
+    if (i + V <= n) {
+      float r[V], a[V];
+      load<V>(residual + i, r);
+      load<V>(add + i, a);
+#pragma unroll
+      for (int k = 0; k < V; ++k) r[k] += a[k];
+      store<V>(residual + i, r);
+    } else {
+      for (int64_t j = i; j < n; ++j) residual[j] += __bfloat162float(add[j]);
+    }
+  }
+}
+
+template <int V, class In, class Out>
+__global__ void convert_kernel(const In* in, Out* out, int64_t n) {
+  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V; i < n; i += int64_t(gridDim.x) * blockDim.x * V) {
+    if (i + V <= n) {
+      float v[V];
+      load<V>(in + i, v);
+      store<V>(out + i, v);
+    } else {
+      for (int64_t j = i; j < n; ++j) {
+        float v[1];
+        load<1>(in + j, v);
+        store<1>(out + j, v);
+      }
+    }
+  }
+}
+
+template <class In, class Out>
+void convert(const In* in, Out* out, int64_t n, cudaStream_t stream, const char* name) {
+  if (n <= 0) return;
+  if (aligned(in, 32) && aligned(out, 32))
+    convert_kernel<8><<<grid_for((n + 7) / 8, flat_threads), flat_threads, 0, stream>>>(in, out, n);
+  else
+    convert_kernel<1><<<grid_for(n, flat_threads), flat_threads, 0, stream>>>(in, out, n);
+  check_launch(name);
+}
+
+// ---- RoPE + KV write ---------------------------------------------------------------------------
+
+// One block per token row. Work items are pairs of dims of the Q and K heads: item j < n_rot/2
+// rotates the pair RoPE couples, later items copy two unrotated dims from [n_rot, head_dim).
+__global__ void rope_qkv_store_kernel(const bf16* qkv, const float* bq, const float* bk, const float* bv,
+                                      rope_params rp, step_layout st, kv_cache_view kv, int layer, bf16* q_out) {
+  extern __shared__ float cos_sin[];  // n_rot/2 (cos, sin) pairs for this row's position
+  const int t = blockIdx.x;
+  const int pos = st.token_pos[t];
+  const int half_rot = rp.n_rot / 2;
+  // Double precision, as kernels::rope_cos_sin: theta reaches tens of thousands of radians.
+  for (int i = threadIdx.x; i < half_rot; i += blockDim.x) {
+    double theta = double(pos) * pow(double(rp.base), -2.0 * i / rp.n_rot);
+    if (rp.freq_factors) theta /= rp.freq_factors[i];
+    double s, c;
+    sincos(theta, &s, &c);
+    cos_sin[2 * i] = float(c);
+    cos_sin[2 * i + 1] = float(s);
+  }
+  __syncthreads();
+
+  const int hd = rp.head_dim, half_hd = hd / 2;
+  const int q_dim = rp.n_heads * hd, kv_dim = rp.n_kv_heads * hd;
+  const bf16* src = qkv + int64_t(t) * (q_dim + 2 * kv_dim);
+  const int32_t block = st.block_tables[st.bt_start[st.token_seq[t]] + pos / kv.block_size];
+  const int64_t slot_off = int64_t(pos % kv.block_size) * kv.row_elems();
+  fp16* k_dst = kv.k_block(block, layer) + slot_off;
+  fp16* v_dst = kv.v_block(block, layer) + slot_off;
+  const bool neox = rp.kind == rope_kind::neox;
+
+  for (int it = threadIdx.x; it < (rp.n_heads + rp.n_kv_heads) * half_hd; it += blockDim.x) {
+    const int h = it / half_hd, j = it % half_hd;
+    const bool rotate = j < half_rot;
+    const int a = rotate ? (neox ? j : 2 * j) : rp.n_rot + 2 * (j - half_rot);
+    const int b = rotate ? (neox ? j + half_rot : 2 * j + 1) : a + 1;
+    const int col = h * hd;  // Q heads then K heads are contiguous in the row
+    const float* bias = h < rp.n_heads ? bq : bk;
+    const int bcol = h < rp.n_heads ? col : col - q_dim;
+    float x0 = __bfloat162float(src[col + a]), x1 = __bfloat162float(src[col + b]);
+    if (bias) x0 += bias[bcol + a], x1 += bias[bcol + b];
+    if (rotate) {
+      const float c = cos_sin[2 * j], s = cos_sin[2 * j + 1];
+      const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+      x0 = y0, x1 = y1;
+    }
+    if (h < rp.n_heads) {
+      bf16* q = q_out + int64_t(t) * q_dim + col;
+      q[a] = __float2bfloat16_rn(x0);
+      q[b] = __float2bfloat16_rn(x1);
+    } else {
+      k_dst[bcol + a] = __float2half_rn(x0);
+      k_dst[bcol + b] = __float2half_rn(x1);
+    }
+  }
+  const bf16* v_src = src + q_dim + kv_dim;
+  for (int i = threadIdx.x; i < kv_dim; i += blockDim.x)
+    v_dst[i] = __float2half_rn(__bfloat162float(v_src[i]) + (bv ? bv[i] : 0.0f));
+}
+
+}  // namespace
+
+void embed_rows(const bf16* table, const int32_t* tokens, float* out, int rows, int d, cudaStream_t stream) {
+  if (rows <= 0 || d <= 0) return;
+  if (d % 8 == 0 && aligned(table, 16) && aligned(out, 32))
+    embed_rows_kernel<8><<<rows, row_threads, 0, stream>>>(table, tokens, out, d);
+  else
+    embed_rows_kernel<1><<<rows, row_threads, 0, stream>>>(table, tokens, out, d);
+  check_launch("embed_rows");
+}
+
+void add_rmsnorm(float* residual, const bf16* add, const float* w, bf16* y, int rows, int n, float eps,
+                 cudaStream_t stream) {
+  if (rows <= 0 || n <= 0) return;
+  if (n % 4 == 0 && aligned(residual, 16) && aligned(add, 8) && aligned(w, 16) && aligned(y, 8))
+    add_rmsnorm_kernel<4><<<rows, row_threads, 0, stream>>>(residual, add, w, y, n, eps);
+  else
+    add_rmsnorm_kernel<1><<<rows, row_threads, 0, stream>>>(residual, add, w, y, n, eps);
+  check_launch("add_rmsnorm");
+}
+
+void add_residual(float* residual, const bf16* add, int rows, int n, cudaStream_t stream) {
+  const int64_t total = int64_t(rows) * n;
+  if (total <= 0) return;
+  if (aligned(residual, 32) && aligned(add, 16))
+    add_residual_kernel<8><<<grid_for((total + 7) / 8, flat_threads), flat_threads, 0, stream>>>(residual, add, total);
+  else
+    add_residual_kernel<1><<<grid_for(total, flat_threads), flat_threads, 0, stream>>>(residual, add, total);
+  check_launch("add_residual");
+}
+
+void swiglu(const bf16* gu, bf16* out, int rows, int d_ff, cudaStream_t stream) {
+  if (rows <= 0 || d_ff <= 0) return;
+  if (d_ff % 8 == 0 && aligned(gu, 16) && aligned(out, 16))
+    swiglu_kernel<8><<<rows, row_threads, 0, stream>>>(gu, out, d_ff);
+  else
+    swiglu_kernel<1><<<rows, row_threads, 0, stream>>>(gu, out, d_ff);
+  check_launch("swiglu");
+}
+
+void f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream) {
+  convert(in, out, n, stream, "f32_to_bf16");
+}
+
+void bf16_to_f32(const bf16* in, float* out, int64_t n, cudaStream_t stream) {
+  convert(in, out, n, stream, "bf16_to_f32");
+}
+
+void rope_qkv_store(const bf16* qkv, const float* bq, const float* bk, const float* bv, const rope_params& rp,
+                    const step_layout& st, const kv_cache_view& kv, int layer, bf16* q_out, cudaStream_t stream) {
+  if (st.n_tokens <= 0) return;
+  if (rp.n_rot % 2 != 0 || rp.n_rot > rp.head_dim || rp.head_dim % 2 != 0)
+    throw cuda_error("rope_qkv_store: n_rot and head_dim must be even with n_rot <= head_dim");
+  const size_t smem = size_t(rp.n_rot) * sizeof(float);
+  rope_qkv_store_kernel<<<st.n_tokens, rope_threads, smem, stream>>>(qkv, bq, bk, bv, rp, st, kv, layer, q_out);
+  check_launch("rope_qkv_store");
+}
+
+}  // namespace troupe::kernels::cuda

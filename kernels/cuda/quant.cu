@@ -1,0 +1,254 @@
+// Weight-only quantized GEMV straight from GGUF blocks (the decode path: each 4/8-bit weight is
+// read from HBM once per launch and used for all batch rows), and block expansion to bf16.
+//
+// Work is cut into "units" of 8 weights whose quantized bytes are contiguous: a quarter of a
+// q8_0 block, a quarter of a q4_0 block (4 bytes: weights j..j+3 low nibbles, j+16..j+19 high),
+// and a 32nd of a q4_k super-block (4 bytes: 4 weights of sub-block 2p and 4 of 2p+1). Lane l of
+// a warp takes units l, l+32, ..., so a warp reads each row as one coalesced stream. One warp
+// computes one output row for every batch row, accumulating in fp32.
+#include <cstdint>
+
+#include "kernels/cuda/cuda_kernels.hpp"
+
+namespace troupe::kernels::cuda {
+
+namespace {
+
+constexpr int gemv_warps = 4;  // rows per block
+constexpr int dequant_threads = 256;
+constexpr int max_batch = 8;
+
+__device__ __forceinline__ float half_at(const uint8_t* p) {
+  __half_raw r;
+  r.x = *reinterpret_cast<const uint16_t*>(p);
+  return __half2float(__half(r));
+}
+
+// 4 bf16 activations at an 8-byte aligned address.
+__device__ __forceinline__ void load4(const bf16* p, float (&v)[4]) {
+  const uint2 w = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.y));
+  v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+}
+
+__device__ __forceinline__ void store4(bf16* p, const float (&v)[4]) {
+  uint2 w;
+  *reinterpret_cast<__nv_bfloat162*>(&w.x) = __floats2bfloat162_rn(v[0], v[1]);
+  *reinterpret_cast<__nv_bfloat162*>(&w.y) = __floats2bfloat162_rn(v[2], v[3]);
+  *reinterpret_cast<uint2*>(p) = w;
+}
+
+// One unit decoded: 8 weights as two runs of 4 consecutive positions, [i0, i0+4) and [i1, i1+4),
+// with w = scale * q + offset (q small integers held exactly in float).
+struct unit {
+  int64_t i0, i1;   // positions within the row
+  float q[8];       // q[0..3] at i0.., q[4..7] at i1..
+  float scale[2];   // for the first and the second run
+  float offset[2];
+};
+
+template <quant_type T>
+struct layout;
+
+template <>
+struct layout<quant_type::q8_0> {
+  static constexpr int block_values = 32, block_bytes = 34, units_per_block = 4;
+  __device__ static unit decode(const uint8_t* blk, int u, int64_t base) {
+    unit r;
+    const float d = half_at(blk);
+    const uint8_t* qs = blk + 2 + 8 * u;  // 2-byte aligned only: 34-byte blocks
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint16_t two = *reinterpret_cast<const uint16_t*>(qs + 2 * k);
+      r.q[2 * k] = float(int8_t(two & 0xff));
+      r.q[2 * k + 1] = float(int8_t(two >> 8));
+    }
+    r.i0 = base + 8 * u, r.i1 = r.i0 + 4;
+    r.scale[0] = r.scale[1] = d;
+    r.offset[0] = r.offset[1] = 0.0f;
+    return r;
+  }
+};
+
+template <>
+struct layout<quant_type::q4_0> {
+  static constexpr int block_values = 32, block_bytes = 18, units_per_block = 4;
+  __device__ static unit decode(const uint8_t* blk, int u, int64_t base) {
+    unit r;
+    const float d = half_at(blk);
+    const uint8_t* qs = blk + 2 + 4 * u;
+    const uint32_t b = uint32_t(*reinterpret_cast<const uint16_t*>(qs)) |
+                       uint32_t(*reinterpret_cast<const uint16_t*>(qs + 2)) << 16;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      r.q[k] = float(int((b >> (8 * k)) & 0x0f) - 8);
+      r.q[4 + k] = float(int((b >> (8 * k + 4)) & 0x0f) - 8);
+    }
+    r.i0 = base + 4 * u, r.i1 = r.i0 + 16;
+    r.scale[0] = r.scale[1] = d;
+    r.offset[0] = r.offset[1] = 0.0f;
+    return r;
+  }
+};
+
+// The 6-bit scale and min of sub-block j of a q4_k super-block (ggml's get_scale_min_k4).
+__device__ __forceinline__ void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+template <>
+struct layout<quant_type::q4_k> {
+  static constexpr int block_values = 256, block_bytes = 144, units_per_block = 32;
+  __device__ static unit decode(const uint8_t* blk, int u, int64_t base) {
+    unit r;
+    const float d = half_at(blk), dmin = half_at(blk + 2);
+    const uint8_t* scales = blk + 4;
+    // Bytes 4u..4u+3 of qs: qs[32p + l] holds weight 64p + l (low) and 64p + 32 + l (high).
+    const int p = u / 8, l0 = 4 * (u % 8);
+    const uint32_t b = *reinterpret_cast<const uint32_t*>(blk + 16 + 4 * u);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      r.q[k] = float((b >> (8 * k)) & 0x0f);
+      r.q[4 + k] = float((b >> (8 * k + 4)) & 0x0f);
+    }
+    int sc, m;
+    scale_min_k4(2 * p, scales, sc, m);
+    r.scale[0] = d * float(sc), r.offset[0] = -(dmin * float(m));
+    scale_min_k4(2 * p + 1, scales, sc, m);
+    r.scale[1] = d * float(sc), r.offset[1] = -(dmin * float(m));
+    r.i0 = base + 64 * p + l0, r.i1 = r.i0 + 32;
+    return r;
+  }
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <quant_type T, int B>
+__global__ void __launch_bounds__(gemv_warps * 32) gemv_kernel(const uint8_t* __restrict__ w, int64_t n_out, int64_t n_in,
+                                                               const bf16* __restrict__ x, bf16* __restrict__ y) {
+  using L = layout<T>;
+  const int lane = threadIdx.x & 31;
+  const int64_t o = int64_t(blockIdx.x) * gemv_warps + (threadIdx.x >> 5);
+  if (o >= n_out) return;  // whole warps leave together
+  const int64_t n_blocks = n_in / L::block_values;
+  const uint8_t* row = w + o * n_blocks * L::block_bytes;
+  float acc[B];
+#pragma unroll
+  for (int b = 0; b < B; ++b) acc[b] = 0.0f;
+  for (int64_t u = lane; u < n_blocks * L::units_per_block; u += 32) {
+    const int64_t blk = u / L::units_per_block;
+    const unit q = L::decode(row + blk * L::block_bytes, int(u % L::units_per_block), blk * L::block_values);
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      float x0[4], x1[4];
+      load4(x + b * n_in + q.i0, x0);
+      load4(x + b * n_in + q.i1, x1);
+      // scale * sum(q x) + offset * sum(x): two sums per run instead of a dequantized weight each.
+      float qx0 = 0.0f, qx1 = 0.0f, sx0 = 0.0f, sx1 = 0.0f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        qx0 += q.q[k] * x0[k], qx1 += q.q[4 + k] * x1[k];
+        sx0 += x0[k], sx1 += x1[k];
+      }
+      acc[b] += q.scale[0] * qx0 + q.scale[1] * qx1 + q.offset[0] * sx0 + q.offset[1] * sx1;
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < B; ++b) {
+    const float s = warp_sum(acc[b]);
+    if (lane == b) y[b * n_out + o] = __float2bfloat16_rn(s);
+  }
+}
+
+template <quant_type T>
+__global__ void dequant_kernel(const uint8_t* __restrict__ w, int64_t n_units, bf16* __restrict__ out) {
+  using L = layout<T>;
+  for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < n_units; u += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t blk = u / L::units_per_block;
+    const unit q = L::decode(w + blk * L::block_bytes, int(u % L::units_per_block), blk * L::block_values);
+    // Rounded product then sum, no FMA: the same float value as kernels::dequantize_row.
+    float v0[4], v1[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      v0[k] = __fadd_rn(__fmul_rn(q.scale[0], q.q[k]), q.offset[0]);
+      v1[k] = __fadd_rn(__fmul_rn(q.scale[1], q.q[4 + k]), q.offset[1]);
+    }
+    store4(out + q.i0, v0);
+    store4(out + q.i1, v1);
+  }
+}
+
+template <quant_type T, int B>
+void launch_gemv(const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, cudaStream_t stream) {
+  const auto blocks = unsigned((n_out + gemv_warps - 1) / gemv_warps);
+  gemv_kernel<T, B><<<blocks, gemv_warps * 32, 0, stream>>>(static_cast<const uint8_t*>(w), n_out, n_in, x, y);
+}
+
+template <quant_type T>
+void gemv_typed(const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream) {
+  switch (batch) {
+    case 1: return launch_gemv<T, 1>(w, n_out, n_in, x, y, stream);
+    case 2: return launch_gemv<T, 2>(w, n_out, n_in, x, y, stream);
+    case 3: return launch_gemv<T, 3>(w, n_out, n_in, x, y, stream);
+    case 4: return launch_gemv<T, 4>(w, n_out, n_in, x, y, stream);
+    case 5: return launch_gemv<T, 5>(w, n_out, n_in, x, y, stream);
+    case 6: return launch_gemv<T, 6>(w, n_out, n_in, x, y, stream);
+    case 7: return launch_gemv<T, 7>(w, n_out, n_in, x, y, stream);
+    case 8: return launch_gemv<T, 8>(w, n_out, n_in, x, y, stream);
+  }
+}
+
+int block_values(quant_type t) { return t == quant_type::q4_k ? 256 : 32; }
+
+bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+void check_args(quant_type t, const void* w, int64_t n, const char* name) {
+  // q4_k reads 32-bit words of 144-byte blocks; the 32-value types read 16-bit words.
+  if (n % block_values(t) != 0 || !aligned(w, t == quant_type::q4_k ? 4 : 2))
+    throw cuda_error(std::string(name) + ": length not a multiple of the block size, or misaligned weights");
+}
+
+}  // namespace
+
+void gemv_quant(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch,
+                cudaStream_t stream) {
+  if (batch < 1 || batch > max_batch) throw cuda_error("gemv_quant: batch must be in [1, 8]");
+  check_args(t, w, n_in, "gemv_quant");
+  if (!aligned(x, 8)) throw cuda_error("gemv_quant: x must be 8-byte aligned");
+  if (n_out <= 0 || n_in <= 0) return;
+  switch (t) {
+    case quant_type::q8_0: gemv_typed<quant_type::q8_0>(w, n_out, n_in, x, y, batch, stream); break;
+    case quant_type::q4_0: gemv_typed<quant_type::q4_0>(w, n_out, n_in, x, y, batch, stream); break;
+    case quant_type::q4_k: gemv_typed<quant_type::q4_k>(w, n_out, n_in, x, y, batch, stream); break;
+  }
+  check_launch("gemv_quant");
+}
+
+void dequant_to_bf16(quant_type t, const void* w, int64_t n, bf16* out, cudaStream_t stream) {
+  check_args(t, w, n, "dequant_to_bf16");
+  if (!aligned(out, 8)) throw cuda_error("dequant_to_bf16: out must be 8-byte aligned");
+  if (n <= 0) return;
+  const int64_t n_units = n / 8;
+  const int64_t want = (n_units + dequant_threads - 1) / dequant_threads;
+  const auto blocks = unsigned(want < 65535 ? want : 65535);
+  const auto* src = static_cast<const uint8_t*>(w);
+  switch (t) {
+    case quant_type::q8_0: dequant_kernel<quant_type::q8_0><<<blocks, dequant_threads, 0, stream>>>(src, n_units, out); break;
+    case quant_type::q4_0: dequant_kernel<quant_type::q4_0><<<blocks, dequant_threads, 0, stream>>>(src, n_units, out); break;
+    case quant_type::q4_k: dequant_kernel<quant_type::q4_k><<<blocks, dequant_threads, 0, stream>>>(src, n_units, out); break;
+  }
+  check_launch("dequant_to_bf16");
+}
+
+}  // namespace troupe::kernels::cuda

@@ -1,0 +1,104 @@
+// Quantized GEMV and block expansion against kernels::dequantize_row: random GGUF blocks (random
+// quants and scale bytes, finite scales), batches 1..8, row counts that do not fill the last
+// thread block.
+#include <catch2/catch.hpp>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/test_util.hpp"
+#include "kernels/dequant.hpp"
+#include "kernels/fp16.hpp"
+
+using namespace troupe::kernels::cuda;
+using namespace troupe::kernels::cuda::test;
+namespace cpu = troupe::kernels;
+
+namespace {
+
+struct type_info {
+  quant_type t;
+  cpu::dtype dt;
+  int block_values, block_bytes;
+};
+
+const type_info types[] = {
+    {quant_type::q8_0, cpu::dtype::q8_0, 32, int(sizeof(cpu::block_q8_0))},
+    {quant_type::q4_0, cpu::dtype::q4_0, 32, int(sizeof(cpu::block_q4_0))},
+    {quant_type::q4_k, cpu::dtype::q4_k, 256, int(sizeof(cpu::block_q4_k))},
+};
+
+/// n_blocks random blocks: every byte random except the fp16 scales, small and finite.
+std::vector<uint8_t> random_blocks(const type_info& ti, int64_t n_blocks, std::mt19937_64& g) {
+  std::vector<uint8_t> raw(size_t(n_blocks * ti.block_bytes));
+  for (auto& b : raw) b = uint8_t(g());
+  std::uniform_real_distribution<float> scale(0.001f, 0.02f);
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    uint8_t* blk = &raw[size_t(b * ti.block_bytes)];
+    const int n_scales = ti.t == quant_type::q4_k ? 2 : 1;  // q4_k: d and dmin
+    for (int s = 0; s < n_scales; ++s) {
+      const uint16_t h = cpu::f32_to_fp16(scale(g));
+      std::memcpy(blk + 2 * s, &h, 2);
+    }
+  }
+  return raw;
+}
+
+}  // namespace
+
+TEST_CASE("gemv_quant matches dequantized weights times bf16 activations", "[cuda]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 g(seed);
+  for (const auto& ti : types) {
+    const int64_t n_out = 1003, n_in = ti.block_values == 256 ? 1280 : 576;
+    const int64_t row_blocks = n_in / ti.block_values;
+    const auto raw = random_blocks(ti, n_out * row_blocks, g);
+    std::vector<float> w(size_t(n_out * n_in));
+    for (int64_t o = 0; o < n_out; ++o)
+      cpu::dequantize_row(ti.dt, &raw[size_t(o * row_blocks * ti.block_bytes)], &w[size_t(o * n_in)], n_in);
+    dev_buf<uint8_t> d_w(raw);
+    for (const int batch : {1, 3, 8}) {
+      const auto x = round_bf16(random_floats(size_t(batch * n_in), g));
+      dev_buf<bf16> d_x(to_bf16(x)), d_y(size_t(batch * n_out));
+      d_y.poison();
+      gemv_quant(ti.t, d_w.p, n_out, n_in, d_x.p, d_y.p, batch, nullptr);
+      std::vector<float> want(size_t(batch * n_out));
+      for (int b = 0; b < batch; ++b)
+        for (int64_t o = 0; o < n_out; ++o) {
+          double s = 0.0;
+          for (int64_t i = 0; i < n_in; ++i) s += double(w[size_t(o * n_in + i)]) * x[size_t(b * n_in + i)];
+          want[size_t(b * n_out + o)] = float(s);
+        }
+      INFO("type " << int(ti.t) << " batch " << batch);
+      CHECK(normalized_error(from_bf16(d_y.download()), want) <= 1e-2);
+    }
+  }
+}
+
+TEST_CASE("gemv_quant rejects bad batch sizes and lengths", "[cuda]") {
+  dev_buf<uint8_t> w(size_t(34 * 4));
+  dev_buf<bf16> x(size_t(9 * 64)), y(size_t(9 * 2));
+  CHECK_THROWS_AS(gemv_quant(quant_type::q8_0, w.p, 2, 64, x.p, y.p, 9, nullptr), cuda_error);
+  CHECK_THROWS_AS(gemv_quant(quant_type::q8_0, w.p, 2, 48, x.p, y.p, 1, nullptr), cuda_error);
+}
+
+TEST_CASE("dequant_to_bf16 equals the CPU dequantization rounded to bf16", "[cuda]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 g(seed);
+  for (const auto& ti : types) {
+    const int64_t n_blocks = 37, n = n_blocks * ti.block_values;
+    const auto raw = random_blocks(ti, n_blocks, g);
+    std::vector<float> want(static_cast<size_t>(n));
+    cpu::dequantize_row(ti.dt, raw.data(), want.data(), n);
+    dev_buf<uint8_t> d_w(raw);
+    dev_buf<bf16> d_out{size_t(n)};
+    d_out.poison();
+    dequant_to_bf16(ti.t, d_w.p, n, d_out.p, nullptr);
+    INFO("type " << int(ti.t));
+    CHECK(normalized_error(from_bf16(d_out.download()), round_bf16(want)) == 0.0);
+  }
+}

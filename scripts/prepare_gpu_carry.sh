@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Fills .gpu-carry/ (ignored through .git/info/exclude) with what the device machine's image lacks
+# for scripts/gpu-check: the Debian packages the configure step needs (Catch2 v2, CLI11,
+# nlohmann_json, toml++, utf8proc, and pkgconf in case the image has no pkg-config), laid out as
+# one install prefix, plus a GGUF model for the GPU-vs-CPU whole-model tests.
+#
+# The device tool carries at most 64 MiB per call, the working tree included, and
+# models/default.gguf (SmolLM2-135M Q4_1) is about 94 MiB. So the carried model is that file cut
+# to its first layers (every tensor byte-identical, llama.block_count lowered, tokenizer intact),
+# as many layers as fit MODEL_BUDGET_MIB (default 52). The model is the same one on the device's
+# CPU and GPU, so the comparison tests are as strict as with all 30 layers, only shallower.
+#
+#   scripts/prepare_gpu_carry.sh            then: run(command="scripts/gpu-check", carry=[".gpu-carry"])
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+carry="$root/.gpu-carry"
+prefix="$carry/prefix"
+budget_mib=${MODEL_BUDGET_MIB:-52}
+python=${TROUPE_PYTHON:-$root/.venv/bin/python}
+
+grep -qxF '/.gpu-carry/' "$root/.git/info/exclude" || echo '/.gpu-carry/' >>"$root/.git/info/exclude"
+rm -rf "$carry"
+mkdir -p "$prefix" "$carry/models"
+
+# Every file of these packages except documentation, /usr stripped: prefix/{include,lib,share,bin}.
+# The packages' CMake configs find their headers relative to themselves, so they work from there.
+packages=(catch2 libcli11-dev nlohmann-json3-dev libtomlplusplus-dev libtomlplusplus3
+          libutf8proc-dev libutf8proc2 pkgconf-bin libpkgconf3)
+dpkg -L "${packages[@]}" |
+  grep -E '^/usr/' | grep -vE '^/usr/share/(doc|man|lintian|doc-base|bash-completion|aclocal|Catch2)/|\.a$' |
+  while read -r f; do [[ -f $f || -L $f ]] && echo "${f#/}"; done |
+  tar -C / -cf - --no-recursion -T - | tar -C "$prefix" -xf - --strip-components=1
+# Debian's Catch2 config lists its static main library; the tests do not use it, but the
+# imported target must exist for find_package to succeed.
+cp /usr/lib/libCatch2WithMain.a "$prefix/lib/"
+
+# utf8proc is found through pkg-config: make its .pc relative to itself.
+pcdir="$prefix/lib/x86_64-linux-gnu/pkgconfig"
+sed -i 's|^prefix=.*|prefix=${pcfiledir}/../../..|' "$pcdir"/*.pc
+# pkgconf wrapper for an image without pkg-config (gpu-check uses it only then).
+cat >"$prefix/bin/pkg-config" <<'EOF'
+#!/bin/sh
+here=$(cd "$(dirname "$0")/.." && pwd)
+LD_LIBRARY_PATH="$here/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$here/bin/pkgconf" "$@"
+EOF
+chmod +x "$prefix/bin/pkg-config"
+
+# The model: a real copy, cut to the layers that fit the budget.
+src=$(readlink -f "$root/models/default.gguf")
+"$python" - "$src" "$carry/models/default.gguf" "$budget_mib" <<'EOF'
+import re, sys
+import gguf
+
+src, dst, budget = sys.argv[1], sys.argv[2], float(sys.argv[3]) * 2**20
+r = gguf.GGUFReader(src)
+arch = r.fields["general.architecture"].contents()
+n_layer = r.fields[f"{arch}.block_count"].contents()
+layer_of = lambda t: int(m.group(1)) if (m := re.match(r"blk\.(\d+)\.", t.name)) else None
+meta = min(t.data_offset for t in r.tensors)  # header, metadata and tensor infos
+shared = meta + sum(t.n_bytes for t in r.tensors if layer_of(t) is None)
+per_layer = sum(t.n_bytes for t in r.tensors if layer_of(t) == 0)
+keep = min(n_layer, int((budget - shared) // per_layer))
+if keep < 1:
+    sys.exit(f"{src}: not even one layer fits {budget / 2**20:.0f} MiB")
+
+w = gguf.GGUFWriter(dst, arch=arch, endianess=r.endianess)
+for f in r.fields.values():
+    if f.name == "general.architecture" or f.name.startswith("GGUF."):
+        continue
+    vtype = f.types[0]
+    sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+    val = keep if f.name == f"{arch}.block_count" else f.contents()
+    w.add_key_value(f.name, val, vtype, sub_type=sub)
+tensors = [t for t in r.tensors if layer_of(t) is None or layer_of(t) < keep]
+for t in tensors:
+    w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+w.write_header_to_file()
+w.write_kv_data_to_file()
+w.write_ti_data_to_file()
+for t in tensors:
+    w.write_tensor_data(t.data, tensor_endianess=r.endianess)
+w.close()
+print(f"model: {src} cut to {keep} of {n_layer} layers -> {dst}")
+EOF
+
+du -sh "$prefix" "$carry/models/default.gguf"
+echo "total: $(du -sb "$carry" | cut -f1) bytes ($(du -sh "$carry" | cut -f1)); the device tool's limit is 64 MiB with the working tree"
