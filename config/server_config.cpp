@@ -99,7 +99,9 @@ const std::vector<key_spec>& keys() {
       {"server", "host", string_key(&server_config::host)},
       {"server", "port", int_key(&server_config::port)},
       {"server", "max_body_bytes", int_key(&server_config::max_body_bytes)},
+      {"server", "max_header_bytes", int_key(&server_config::max_header_bytes)},
       {"server", "request_timeout_s", double_key(&server_config::request_timeout_s)},
+      {"server", "idle_timeout_s", double_key(&server_config::idle_timeout_s)},
       {"server", "max_connections", int_key(&server_config::max_connections)},
       {"server", "shutdown_grace_s", double_key(&server_config::shutdown_grace_s)},
       {"server", "io_threads", int_key(&server_config::n_io_threads)},
@@ -200,6 +202,10 @@ std::string validate(const server_config& c) {
   if (c.port < 0 || c.port > 65535) return range_error("server.port", "--port", "in [0, 65535]", std::to_string(c.port));
   if (c.max_body_bytes < 1 || c.max_body_bytes > (int64_t(1) << 32))
     return range_error("server.max_body_bytes", "--max-body-bytes", "in [1, 4294967296]", std::to_string(c.max_body_bytes));
+  if (c.max_header_bytes < 1024 || c.max_header_bytes > (int64_t(1) << 24))
+    return range_error("server.max_header_bytes", "--max-header-bytes", "in [1024, 16777216]", std::to_string(c.max_header_bytes));
+  if (!(c.idle_timeout_s > 0) || !std::isfinite(c.idle_timeout_s))
+    return range_error("server.idle_timeout_s", "--idle-timeout-s", "> 0", num(c.idle_timeout_s));
   if (!(c.request_timeout_s > 0) || !std::isfinite(c.request_timeout_s))
     return range_error("server.request_timeout_s", "--request-timeout-s", "> 0", num(c.request_timeout_s));
   if (c.max_connections < 1 || c.max_connections > 1000000)
@@ -263,7 +269,8 @@ std::string describe(const server_config& c) {
   std::ostringstream o;
   o << "[server]\n"
     << "host = " << quote(c.host) << "\nport = " << c.port << "\nmax_body_bytes = " << c.max_body_bytes
-    << "\nrequest_timeout_s = " << num(c.request_timeout_s) << "\nmax_connections = " << c.max_connections
+    << "\nmax_header_bytes = " << c.max_header_bytes << "\nrequest_timeout_s = " << num(c.request_timeout_s)
+    << "\nidle_timeout_s = " << num(c.idle_timeout_s) << "\nmax_connections = " << c.max_connections
     << "\nshutdown_grace_s = " << num(c.shutdown_grace_s) << "\nio_threads = " << c.n_io_threads << "\nmax_n = " << c.max_n << "\n"
     << "[websocket]\n"
     << "max_message_bytes = " << c.ws_max_message_bytes << "\nmax_queue_bytes = " << c.ws_max_queue_bytes

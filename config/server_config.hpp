@@ -30,7 +30,9 @@ struct server_config {
   std::string host = "127.0.0.1";
   int64_t port = 8080;                // 0: any free port
   int64_t max_body_bytes = 1 << 20;   // larger request bodies get 413
-  double request_timeout_s = 600;     // whole-generation deadline and the idle read limit
+  int64_t max_header_bytes = 16384;   // request line + headers larger: 431
+  double request_timeout_s = 600;     // whole-generation deadline
+  double idle_timeout_s = 60;         // reading one request, or waiting for the next on a keep-alive connection
   int64_t max_connections = 256;      // open connections at most (503 beyond)
   double shutdown_grace_s = 5;        // generations in flight may finish this long on SIGTERM
   int64_t n_io_threads = 2;           // HTTP I/O threads

@@ -136,6 +136,8 @@ TEST_CASE("server_config: out-of-range values are named by validate()", "[config
       {"[server]\nshutdown_grace_s = -1", "server.shutdown_grace_s"},
       {"[server]\nio_threads = 0", "server.io_threads"},
       {"[server]\nhost = \"\"", "server.host"},
+      {"[server]\nmax_header_bytes = 10", "server.max_header_bytes (--max-header-bytes)"},
+      {"[server]\nidle_timeout_s = 0", "server.idle_timeout_s (--idle-timeout-s) must be > 0"},
       {"[server]\nmax_n = 0", "server.max_n (--max-n) must be in [1, 128], got 0"},
       {"[websocket]\nmax_queue_bytes = 10", "websocket.max_queue_bytes (--ws-max-queue-bytes)"},
       {"[websocket]\nsend_timeout_s = 0", "websocket.send_timeout_s (--ws-send-timeout-s) must be > 0"},

@@ -41,7 +41,8 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
   using e = config::engine_config;
   static const std::vector<std::pair<std::string, apply_fn>> v = {
       field("--host", &c::host), field("--port", &c::port), field("--max-body-bytes", &c::max_body_bytes),
-      field("--request-timeout-s", &c::request_timeout_s), field("--max-connections", &c::max_connections),
+      field("--request-timeout-s", &c::request_timeout_s), field("--idle-timeout-s", &c::idle_timeout_s),
+      field("--max-header-bytes", &c::max_header_bytes), field("--max-connections", &c::max_connections),
       field("--shutdown-grace-s", &c::shutdown_grace_s), field("--io-threads", &c::n_io_threads), field("--max-n", &c::max_n),
       field("--ws-max-message-bytes", &c::ws_max_message_bytes), field("--ws-max-queue-bytes", &c::ws_max_queue_bytes),
       field("--ws-send-timeout-s", &c::ws_send_timeout_s), field("--ws-max-generations", &c::ws_max_generations),
@@ -78,7 +79,9 @@ int run_serve(serve_opts& o) {
   http.host = c.host;
   http.port = (uint16_t)c.port;
   http.max_body_bytes = (size_t)c.max_body_bytes;
+  http.max_header_bytes = (uint32_t)c.max_header_bytes;
   http.request_timeout_s = c.request_timeout_s;
+  http.idle_timeout_s = c.idle_timeout_s;
   http.max_connections = (int)c.max_connections;
   http.shutdown_grace_s = c.shutdown_grace_s;
   http.n_io_threads = (int)c.n_io_threads;
@@ -149,7 +152,9 @@ action add_serve(CLI::App& app) {
   cmd->add_option("--preemption", f.preemption, "when KV runs out: swap or recompute")->capture_default_str();
   cmd->add_option("--plan-ahead", f.plan_ahead, "pipelining: plan decode step n+1 while n runs (true/false)")->capture_default_str();
   cmd->add_option("--max-body-bytes", f.max_body_bytes, "largest request body accepted (413 beyond)")->capture_default_str();
-  cmd->add_option("--request-timeout-s", f.request_timeout_s, "deadline of one generation, and the idle read limit")->capture_default_str();
+  cmd->add_option("--request-timeout-s", f.request_timeout_s, "deadline of one generation")->capture_default_str();
+  cmd->add_option("--idle-timeout-s", f.idle_timeout_s, "reading one request, or waiting for the next on a kept-alive connection")->capture_default_str();
+  cmd->add_option("--max-header-bytes", f.max_header_bytes, "request line and headers at most (431 beyond)")->capture_default_str();
   cmd->add_option("--max-connections", f.max_connections, "open connections at most (503 beyond)")->capture_default_str();
   cmd->add_option("--shutdown-grace-s", f.shutdown_grace_s, "on SIGINT/SIGTERM, how long generations in flight may finish")->capture_default_str();
   cmd->add_option("--io-threads", f.n_io_threads, "HTTP I/O threads")->capture_default_str();

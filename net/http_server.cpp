@@ -235,7 +235,7 @@ class server {
   }
 
   std::chrono::steady_clock::duration idle_limit() const {
-    return std::chrono::milliseconds((int64_t)(std::min(opts_.request_timeout_s, 3600.0) * 1000));
+    return std::chrono::milliseconds((int64_t)(std::min(opts_.idle_timeout_s, 86400.0) * 1000));
   }
 
   awaitable<void> session(tcp::socket sock) {
@@ -257,6 +257,7 @@ class server {
     for (;;) {
       http::request_parser<http::string_body> parser;
       parser.body_limit(opts_.max_body_bytes);
+      parser.header_limit(opts_.max_header_bytes);
       stream.expires_after(idle_limit());
       auto [ec, n] = co_await http::async_read_header(stream, buf, parser, nothrow);
       if (!ec) {  // the API key is checked before the body is read or any model work starts
@@ -268,6 +269,12 @@ class server {
           co_return;
         }
         std::tie(ec, n) = co_await http::async_read(stream, buf, parser, nothrow);
+      }
+      if (ec == http::error::header_limit) {
+        co_await write_response(stream, error_response(http_error(431, "the request line and headers exceed " + std::to_string(opts_.max_header_bytes) +
+                                                                            " bytes (--max-header-bytes)", "headers_too_large"), 11, false));
+        co_await linger(stream);
+        co_return;
       }
       if (ec == http::error::body_limit) {
         co_await write_response(stream, error_response(http_error(413, "the request body exceeds " + std::to_string(opts_.max_body_bytes) +
@@ -481,13 +488,18 @@ class server {
     head.keep_alive(keep);
     head.chunked(true);
     http::response_serializer<http::empty_body> sr{head};
-    stream.expires_after(idle_limit());
+    // Each write must finish within send_timeout (a client that stops reading is dropped); the
+    // timer is disarmed between writes, since the next token may be long in coming (a queue).
+    const auto send_timeout = std::chrono::seconds(60);
     metrics_.count_status(200);
+    stream.expires_after(send_timeout);
     if (auto [ec, n] = co_await http::async_write_header(stream, sr, nothrow); ec) co_return false;
+    stream.expires_never();
     auto send = [&](const std::string& data) -> awaitable<bool> {
       if (data.empty()) co_return true;
-      stream.expires_after(std::chrono::seconds(60));
+      stream.expires_after(send_timeout);
       auto [ec, n] = co_await asio::async_write(stream, http::make_chunk(asio::buffer(data)), nothrow);
+      stream.expires_never();
       co_return !ec;
     };
     if (!co_await send(rb.sse_start())) co_return false;  // event_waiter's destructor cancels

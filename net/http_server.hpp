@@ -17,7 +17,9 @@ struct server_options {
   std::string host = "127.0.0.1";
   uint16_t port = 8080;          // 0: any free port (the one chosen is printed)
   size_t max_body_bytes = 1 << 20;
-  double request_timeout_s = 600;  // whole-generation deadline and the idle read limit
+  uint32_t max_header_bytes = 16384;  // request line + headers (431 beyond)
+  double request_timeout_s = 600;  // whole-generation deadline
+  double idle_timeout_s = 60;      // reading a request / waiting for the next on a kept-alive connection
   int max_connections = 256;
   double shutdown_grace_s = 5;     // on SIGINT/SIGTERM, generations in flight get this long
   int n_io_threads = 2;

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(not (pathlib.Path(TROUPE).exists() and MODEL.exi
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server("--request-timeout-s", "2", "--max-num-seqs", "1", "--max-waiting", "1") as s:
+    with running_server("--request-timeout-s", "2", "--idle-timeout-s", "2", "--max-header-bytes", "4096",
+                        "--max-num-seqs", "1", "--max-waiting", "1") as s:
         yield s
 
 
@@ -80,6 +81,26 @@ def test_oversized_headers_are_refused(server):
     assert healthy(server[0])
 
 
+def test_header_limit_is_configurable_and_answered_431(server):
+    """--max-header-bytes 4096 (the fixture): 3 kB of headers pass, 6 kB get 431 in OpenAI form."""
+    def get(n):
+        s = socket.create_connection(("127.0.0.1", server[0]), timeout=10)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Pad: " + b"a" * n + b"\r\n\r\n")
+        data = b""
+        try:
+            while chunk := s.recv(65536):
+                data += chunk
+        except ConnectionResetError:
+            pass
+        s.close()
+        return data
+    assert get(3000).startswith(b"HTTP/1.1 200")
+    big = get(6000)
+    assert big.startswith(b"HTTP/1.1 431"), big[:100]
+    body = json.loads(big.split(b"\r\n\r\n", 1)[1])
+    assert body["error"]["code"] == "headers_too_large" and "--max-header-bytes" in body["error"]["message"]
+
+
 def test_half_request_then_stall_is_closed_by_the_timeout(server):
     s = socket.create_connection(("127.0.0.1", server[0]), timeout=10)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
@@ -92,7 +113,7 @@ def test_half_request_then_stall_is_closed_by_the_timeout(server):
         pass
     except socket.timeout:
         pytest.fail("the stalled connection was still open after 10 s")
-    assert time.monotonic() - t0 < 8  # closed by the 2 s request timeout
+    assert time.monotonic() - t0 < 8  # closed by the 2 s idle timeout
     s.close()
 
 
