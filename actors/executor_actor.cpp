@@ -91,7 +91,7 @@ struct executor_state {
   std::unique_ptr<backend> dev;
   std::vector<engine::seq_chunk> chunks;
   // The tokens sampled by the last step, for decodes planned ahead (scheduler_core::ahead_token).
-  std::unordered_map<uint64_t, engine::token_id> last_sampled, sampling_now;
+  std::unordered_map<uint64_t, engine::token_id> last_sampled;
 };
 
 uint64_t mix_seed(uint64_t seed, uint64_t index) {  // splitmix64 of the pair
@@ -127,6 +127,7 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg) 
         const std::vector<float>& logits = st->dev->forward(st->chunks);
         const int n_vocab = cfg.model->hparams().n_vocab;
         std::vector<float> row((size_t)n_vocab);
+        std::unordered_map<uint64_t, engine::token_id> sampled_now;
         size_t si = 0;
         for (size_t i = 0; i < w.batch.size(); ++i) {
           if (!w.batch[i].need_logits) continue;
@@ -146,10 +147,9 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg) 
             history = history_fed;
           }
           out.tokens.push_back({sp.seq, smp.sample(row, history)});
-          st->sampling_now[sp.seq] = out.tokens.back().r.token;
+          sampled_now[sp.seq] = out.tokens.back().r.token;
         }
-        std::swap(st->last_sampled, st->sampling_now);
-        st->sampling_now.clear();
+        st->last_sampled = std::move(sampled_now);
         out.compute_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         return out;
       },

@@ -326,13 +326,9 @@ TEST_CASE("random traffic: every output equals the reference, pools end full", "
 }
 
 TEST_CASE("pipelining: decodes planned ahead reproduce the reference, and the planner falls back when it must", "[scheduler][pipeline]") {
-  scheduler_config c;
+  scheduler_config c = preempt_config(preemption_mode::swap);
   c.max_batched_tokens = 32;
   c.max_num_seqs = 6;
-  c.long_prompt_threshold = 1000;
-  c.aging_s = 0;
-  c.priority_preempt_after_s = 0;
-  c.max_bypass_wait_s = 0;
   SECTION("steady decodes: nearly every step after the prefills is planned ahead") {
     driver d(c, 4, 64, 0);
     for (uint64_t id = 1; id <= 4; ++id) REQUIRE(d.add(id, prompt_of(6 + (int)id, (token_id)id * 7), 20).ok());

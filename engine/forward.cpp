@@ -18,9 +18,7 @@ cpu_forward::cpu_forward(const model& m, kv_storage& kv, thread_pool& pool) : m_
     throw std::invalid_argument("cpu_forward: KV storage shape does not match the model");
 }
 
-void cpu_forward::validate(std::span<const seq_chunk> batch) const {
-  const int n_vocab = m_.hparams().n_vocab;
-  const int bs = kv_.shape().block_size;
+void validate_batch(std::span<const seq_chunk> batch, int n_vocab, int block_size, int32_t n_blocks) {
   for (size_t i = 0; i < batch.size(); ++i) {
     const seq_chunk& c = batch[i];
     if (c.tokens.empty()) throw std::invalid_argument("forward: chunk " + std::to_string(i) + " has no tokens");
@@ -29,11 +27,11 @@ void cpu_forward::validate(std::span<const seq_chunk> batch) const {
         throw std::invalid_argument("forward: token id " + std::to_string(t) + " outside the vocabulary [0, " +
                                     std::to_string(n_vocab) + ")");
     const int64_t end = c.pos0 + (int64_t)c.tokens.size();
-    if (c.pos0 < 0 || (int64_t)c.block_table.size() < kv_blocks_for(end, bs))
+    if (c.pos0 < 0 || (int64_t)c.block_table.size() < kv_blocks_for(end, block_size))
       throw std::invalid_argument("forward: block table of chunk " + std::to_string(i) + " does not cover position " +
                                   std::to_string(end - 1));
     for (int32_t b : c.block_table)
-      if (b < 0 || b >= kv_.n_blocks()) throw std::invalid_argument("forward: block id " + std::to_string(b) + " out of range");
+      if (b < 0 || b >= n_blocks) throw std::invalid_argument("forward: block id " + std::to_string(b) + " out of range");
   }
 }
 
@@ -56,7 +54,7 @@ void cpu_forward::resize(int64_t n, int64_t max_pos) {
 }
 
 const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch) {
-  validate(batch);
+  validate_batch(batch, m_.hparams().n_vocab, kv_.shape().block_size, kv_.n_blocks());
   const auto& hp = m_.hparams();
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim, kvd = (int64_t)hp.n_kv_heads * hp.head_dim;
   const int bs = kv_.shape().block_size;

@@ -26,6 +26,11 @@ struct seq_chunk {
   bool no_logits = false;                 // no logits at all (a prefill chunk that ends mid-prompt)
 };
 
+/// Checks a step before any backend runs it: every chunk has tokens with ids in [0, n_vocab), and
+/// a block table that covers its positions with ids in [0, n_blocks). Throws std::invalid_argument
+/// naming the chunk, token or block.
+void validate_batch(std::span<const seq_chunk> batch, int n_vocab, int block_size, int32_t n_blocks);
+
 class cpu_forward {
  public:
   cpu_forward(const model& m, kv_storage& kv, kernels::thread_pool& pool);
@@ -37,7 +42,6 @@ class cpu_forward {
   const std::vector<float>& forward(std::span<const seq_chunk> batch);
 
  private:
-  void validate(std::span<const seq_chunk> batch) const;
   void resize(int64_t n_tokens, int64_t max_pos);
 
   const model& m_;

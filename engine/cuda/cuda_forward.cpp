@@ -215,27 +215,8 @@ void cuda_forward::synchronize() {
 
 // ---- the step layout ----------------------------------------------------------------------------
 
-void cuda_forward::validate(std::span<const seq_chunk> batch) const {
-  const int n_vocab = hparams().n_vocab;
-  const int bs = kv_shape_.block_size;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const seq_chunk& c = batch[i];
-    if (c.tokens.empty()) throw std::invalid_argument("forward: chunk " + std::to_string(i) + " has no tokens");
-    for (token_id t : c.tokens)
-      if (t < 0 || t >= n_vocab)
-        throw std::invalid_argument("forward: token id " + std::to_string(t) + " outside the vocabulary [0, " +
-                                    std::to_string(n_vocab) + ")");
-    const int64_t end = c.pos0 + (int64_t)c.tokens.size();
-    if (c.pos0 < 0 || (int64_t)c.block_table.size() < kv_blocks_for(end, bs))
-      throw std::invalid_argument("forward: block table of chunk " + std::to_string(i) + " does not cover position " +
-                                  std::to_string(end - 1));
-    for (int32_t b : c.block_table.first((size_t)kv_blocks_for(end, bs)))
-      if (b < 0 || b >= n_blocks_) throw std::invalid_argument("forward: block id " + std::to_string(b) + " out of range");
-  }
-}
-
 cuda_forward::plan cuda_forward::prepare(std::span<const seq_chunk> batch) {
-  validate(batch);
+  validate_batch(batch, hparams().n_vocab, kv_shape_.block_size, n_blocks_);
   const int bs = kv_shape_.block_size;
   plan p;
   p.n_real_seqs = (int)batch.size();

@@ -126,7 +126,6 @@ class cuda_forward {
   cuda_forward(synthetic_tag, const model_hparams& hp, const cuda_options& o);
   struct plan;
   void setup();
-  void validate(std::span<const seq_chunk> batch) const;
   plan prepare(std::span<const seq_chunk> batch);
   void stage_sampling(plan& p, std::span<const kc::sample_row_params> params,
                       std::span<const std::span<const int32_t>> histories);
