@@ -99,10 +99,10 @@ void schedule_tick(self_ptr self) {
   self->delayed_send(self, std::chrono::milliseconds(10), tick_atom::value);
 }
 
-void send_step(self_ptr self, step_plan plan, bool ahead);
+void send_step(self_ptr self, step_plan plan);
 
 // Plans and sends what can go now: a full plan when no step is in flight, then (pipelining) the
-// next decode step planned ahead while one step is in flight.
+// next step planned ahead while one step is in flight.
 void maybe_step(self_ptr self) {
   auto& st = self->state;
   if (st.draining && st.seqs.empty() && !st.drain_waiters.empty()) {
@@ -125,7 +125,7 @@ void maybe_step(self_ptr self) {
       if (st.core->n_waiting() > 0) schedule_tick(self);  // queue timeouts, blocked admissions
       return;
     }
-    send_step(self, std::move(plan), false);
+    send_step(self, std::move(plan));
   }
   if (st.n_in_flight == 1) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -133,13 +133,13 @@ void maybe_step(self_ptr self) {
     st.sched_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (plan) {
       st.carry.insert(st.carry.end(), plan->copies.begin(), plan->copies.end());
-      send_step(self, std::move(*plan), true);
+      send_step(self, std::move(*plan));
       ++st.n_ahead;
     }
   }
 }
 
-void send_step(self_ptr self, step_plan plan, bool ahead) {
+void send_step(self_ptr self, step_plan plan) {
   auto& st = self->state;
   step_work w;
   w.step = plan.step;
@@ -150,8 +150,9 @@ void send_step(self_ptr self, step_plan plan, bool ahead) {
     const auto& entry = st.seqs.at(e.seq);
     const auto info = st.core->find(e.seq);
     // A decode planned ahead samples the draw after the step in flight's; the executor appends
-    // the token it fed in to the history.
-    sample_spec sp{e.seq, entry.sampling, (uint64_t)info->n_generated + (ahead ? 1 : 0), {}};
+    // the token it fed in to the history. (A request joining an ahead step is not one.)
+    const bool fed = e.tokens.size() == 1 && e.tokens[0] == ahead_token;
+    sample_spec sp{e.seq, entry.sampling, (uint64_t)info->n_generated + (fed ? 1 : 0), {}};
     if (entry.penalties) sp.history.assign(info->tokens.begin(), info->tokens.end());
     w.sampling.push_back(std::move(sp));
   }

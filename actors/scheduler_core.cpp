@@ -227,8 +227,8 @@ step_plan scheduler_core::schedule(double now) {
   return plan;
 }
 
-std::optional<step_plan> scheduler_core::schedule_ahead(double /*now: nothing here waits or ages*/) {
-  if (!cfg_.plan_ahead || pending_.size() != 1 || !waiting_.empty()) return std::nullopt;
+std::optional<step_plan> scheduler_core::schedule_ahead(double now) {
+  if (!cfg_.plan_ahead || pending_.size() != 1) return std::nullopt;
   // Every running sequence must be sampling in the step in flight: one left out (a prefill chunk
   // that ends mid-prompt, or a decode the budget skipped) is the full planner's to schedule.
   std::vector<uint64_t> ids;
@@ -245,8 +245,37 @@ std::optional<step_plan> scheduler_core::schedule_ahead(double /*now: nothing he
     new_blocks += kv_.cost_append(p.seq, 1);
     ids.push_back(p.seq);
   }
-  if (n_alive != running_.size() || ids.empty() || (int64_t)ids.size() > cfg_.max_batched_tokens) return std::nullopt;
+  if (n_alive != running_.size() || (int64_t)ids.size() > cfg_.max_batched_tokens) return std::nullopt;
   if (new_blocks + cfg_.kv_watermark_blocks > kv_.n_available_device()) return std::nullopt;  // preemption: the full planner's
+
+  // Admissions: waiting requests in aged order, each whole (a short prompt, or a recomputed
+  // sequence's prompt and tokens) in what the decodes leave of the budget, while slots and
+  // blocks last. The first that cannot join stops the loop; when nobody joins while someone
+  // waits, the full planner (timeouts, priority preemption, chunking, the long queue) takes over.
+  int32_t tokens_left = cfg_.max_batched_tokens - (int32_t)ids.size();
+  std::vector<scheduled_seq> admitted;
+  for (uint64_t id : waiting_by_age(now)) {
+    sequence& s = seqs_.at(id);
+    if (running_.size() >= (size_t)cfg_.max_num_seqs || s.state != seq_state::waiting || is_long(s)) break;
+    const double limit = timeout_of(s);
+    if (limit > 0 && now - s.enqueued_at > limit) break;
+    const engine::allocation_cost c = kv_.cost_allocate(s.tokens);
+    const int64_t left = (int64_t)s.tokens.size() - c.n_cached_positions;
+    if (left > tokens_left || c.n_blocks + new_blocks + cfg_.kv_watermark_blocks > kv_.n_available_device()) break;
+    const auto cached = kv_.allocate(id, s.tokens);
+    if (!cached) throw std::logic_error("scheduler_core: the ahead admission of " + seq_name(id) + " failed");
+    s.n_computed = *cached;
+    leave_waiting(id);
+    s.state = seq_state::running;
+    s.running_since = now;
+    s.long_prefill = false;
+    running_.push_back(id);
+    ++stats_.n_admitted;
+    tokens_left -= (int32_t)left;
+    admitted.push_back({id, (int32_t)left});
+  }
+  if (ids.empty() && admitted.empty()) return std::nullopt;
+  if (admitted.empty() && !waiting_.empty()) return std::nullopt;
 
   step_plan plan;
   plan.step = ++step_no_;
@@ -266,7 +295,14 @@ std::optional<step_plan> scheduler_core::schedule_ahead(double /*now: nothing he
     plan.batch.push_back(std::move(e));
   }
   plan.n_decodes = plan.n_tokens = (int32_t)plan.batch.size();
+  for (const scheduled_seq& a : admitted) {
+    batch_entry e = make_entry(seqs_.at(a.seq), a.n_tokens);
+    entries.push_back({a.seq, a.n_tokens, e.need_logits});
+    plan.n_tokens += a.n_tokens;
+    plan.batch.push_back(std::move(e));
+  }
   stats_.n_decode_tokens += plan.n_decodes;
+  stats_.n_prefill_tokens += plan.n_tokens - plan.n_decodes;
   pending_.push_back(std::move(entries));
   return plan;
 }

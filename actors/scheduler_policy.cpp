@@ -310,6 +310,16 @@ struct plan_context {
   }
 };
 
+std::vector<uint64_t> scheduler_core::waiting_by_age(double now) const {
+  plan_context p(*this, now);
+  std::vector<const sequence*> order;
+  for (uint64_t id : waiting_) order.push_back(&seqs_.at(id));
+  std::sort(order.begin(), order.end(), [&](const sequence* a, const sequence* b) { return p.aged_key(*a) < p.aged_key(*b); });
+  std::vector<uint64_t> ids;
+  for (const sequence* s : order) ids.push_back(s->req.id);
+  return ids;
+}
+
 step_decision scheduler_core::decide(double now) const {
   plan_context p(*this, now);
   for (uint64_t id : running_) p.run.push_back(&seqs_.at(id));

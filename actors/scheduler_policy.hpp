@@ -9,11 +9,16 @@
 //   nothing here reads a clock.
 //   Pipelining: while exactly one step is in flight, schedule_ahead(now) may plan the next one
 //   before its results are known, so the executor never waits for the scheduler. It does so only
-//   in the steady decode phase (nothing waiting, every running sequence sampling in the step in
-//   flight, KV blocks to spare): each entry is one ahead_token at the position after the step in
-//   flight, and the executor feeds in the token it sampled there. A sequence that finishes with
-//   the step in flight has its ahead entry computed and ignored (one wasted token; its blocks are
-//   freed when it finishes, and reused only by later steps, which the executor runs after).
+//   when every running sequence samples in the step in flight and KV blocks are to spare: each
+//   such sequence decodes one ahead_token at the position after the step in flight (the executor
+//   feeds in the token it sampled there), and waiting requests join in aged order while they fit
+//   whole (short prompts, or recomputed sequences, in the budget the decodes leave, slots and
+//   blocks to spare; the first that does not fit stops them). When someone waits and nobody can
+//   join, or a step left someone out, nothing is planned ahead: the full planner (timeouts,
+//   priority preemption, chunked and long prefills) runs once the step in flight is back.
+//   A sequence that finishes with the step in flight has its ahead entry computed and ignored
+//   (one wasted token; its blocks are freed when it finishes, and reused only by later steps,
+//   which the executor runs after).
 //
 // Sequence states: waiting (no KV: never run, or preempted by recompute) -> running (resident
 // KV) -> finished; running -> swapped (KV on host) -> running; running -> waiting (recompute).
@@ -208,10 +213,10 @@ class scheduler_core {
   /// decide() then apply it: KV allocation, copies, the batch. Throws std::logic_error while
   /// a step is in flight.
   step_plan schedule(double now);
-  /// With exactly one step in flight and the engine in the steady decode phase (see the header
-  /// comment), plans the next step: every running sequence that can still generate after the step
-  /// in flight decodes one ahead_token. nullopt (nothing changed) when the conditions do not hold;
-  /// the caller then waits for the step in flight and calls schedule().
+  /// With exactly one step in flight (see the header comment), plans the next step: every running
+  /// sequence that can still generate after the step in flight decodes one ahead_token, then
+  /// waiting requests that fit whole join with their prefill. nullopt (nothing changed) when the
+  /// conditions do not hold; the caller then waits for the step in flight and calls schedule().
   std::optional<step_plan> schedule_ahead(double now);
   /// Advances the sequences of the oldest step in flight. results: one per batch entry with
   /// need_logits (entries of cancelled sequences may be missing). Returns the sequences that
@@ -266,6 +271,7 @@ class scheduler_core {
   void leave_waiting(uint64_t id);
   void leave_running(uint64_t id);
   batch_entry make_entry(const sequence& s, int32_t n_tokens) const;
+  std::vector<uint64_t> waiting_by_age(double now) const;  // aged order (best first)
 
   scheduler_config cfg_;
   engine::block_manager& kv_;

@@ -337,6 +337,36 @@ TEST_CASE("pipelining: decodes planned ahead reproduce the reference, and the pl
     CHECK(n_ahead >= 15);
     d.require_drained();
   }
+  SECTION("a short request arriving during steady decoding joins the next step planned ahead; a long one waits for the full planner") {
+    c.long_prompt_threshold = 16;
+    driver d(c, 4, 64, 0);
+    REQUIRE(d.add(1, prompt_of(6, 7), 12).ok());
+    step_plan first = d.core.schedule(d.now);
+    std::optional<step_plan> second = d.core.schedule_ahead(d.now);
+    REQUIRE(second);
+    REQUIRE(d.add(2, prompt_of(9, 11), 8).ok());
+    REQUIRE(d.core.on_step_done(d.exec.run(first, d.stop), d.now).empty());
+    std::optional<step_plan> third = d.core.schedule_ahead(d.now);
+    REQUIRE(third);
+    REQUIRE(third->batch.size() == 2);
+    CHECK(third->n_decodes == 1);
+    CHECK(third->batch[0].tokens == std::vector<token_id>{ahead_token});
+    const batch_entry& joined = third->batch[1];
+    CHECK(joined.seq == 2);
+    CHECK(joined.pos0 == 0);
+    CHECK(joined.tokens == prompt_of(9, 11));
+    CHECK(joined.need_logits);
+    CHECK(third->n_tokens == 10);
+    CHECK(d.core.n_waiting() == 0);
+    // A long prompt (16 tokens or more) is not planned ahead: the step in flight comes back first.
+    REQUIRE(d.add(3, prompt_of(20, 3), 5).ok());
+    REQUIRE(d.core.on_step_done(d.exec.run(*second, d.stop), d.now).empty());
+    CHECK(!d.core.schedule_ahead(d.now));
+    REQUIRE(d.core.on_step_done(d.exec.run(*third, d.stop), d.now).empty());
+    d.run_pipelined(nullptr);
+    for (uint64_t id = 1; id <= 3; ++id) d.require_reference(id);
+    d.require_drained();
+  }
   SECTION("arrivals, stop tokens, a tiny pool with swap and recompute preemption") {
     for (preemption_mode mode : {preemption_mode::swap, preemption_mode::recompute}) {
       c.preemption = mode;
