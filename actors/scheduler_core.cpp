@@ -271,6 +271,7 @@ std::optional<step_plan> scheduler_core::schedule_ahead(double now) {
     s.long_prefill = false;
     running_.push_back(id);
     ++stats_.n_admitted;
+    ++stats_.n_admitted_ahead;
     tokens_left -= (int32_t)left;
     admitted.push_back({id, (int32_t)left});
   }

@@ -183,6 +183,7 @@ struct scheduler_stats {
   int64_t n_added = 0, n_refused = 0, n_admitted = 0, n_finished = 0, n_cancelled = 0;
   int64_t n_timed_out = 0, n_preempted_swap = 0, n_preempted_recompute = 0;
   int64_t n_steps = 0, n_prefill_tokens = 0, n_decode_tokens = 0;
+  int64_t n_admitted_ahead = 0;  // admissions (of n_admitted) into a step planned ahead
 };
 
 struct seq_info {

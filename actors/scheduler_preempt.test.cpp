@@ -358,6 +358,7 @@ TEST_CASE("pipelining: decodes planned ahead reproduce the reference, and the pl
     CHECK(joined.need_logits);
     CHECK(third->n_tokens == 10);
     CHECK(d.core.n_waiting() == 0);
+    CHECK(d.core.stats().n_admitted_ahead == 1);
     // A long prompt (16 tokens or more) is not planned ahead: the step in flight comes back first.
     REQUIRE(d.add(3, prompt_of(20, 3), 5).ok());
     REQUIRE(d.core.on_step_done(d.exec.run(*second, d.stop), d.now).empty());

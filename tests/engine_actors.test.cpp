@@ -167,20 +167,35 @@ TEST_CASE("seeded sampling gives the same tokens with and without preemption or 
     }
     ps.push_back(p);
   }
-  int64_t n_ahead = 0;
-  auto run = [&](int32_t n_blocks, actors::preemption_mode mode, bool plan_ahead = true) {
+  int64_t n_ahead = 0, n_admitted_ahead = 0;
+  // staggered: half the requests arrive once the first is decoding, so they join steps planned
+  // ahead (their first draw is their own, not the one after the step in flight).
+  auto run = [&](int32_t n_blocks, actors::preemption_mode mode, bool plan_ahead = true, bool staggered = false) {
     auto o = options();
     o.n_device_blocks = n_blocks;
     o.sched.preemption = mode;
     o.sched.plan_ahead = plan_ahead;
     auto eng = actors::engine_handle::start(o);
     std::vector<std::shared_ptr<actors::generation_stream>> ss;
-    for (const auto& p : ps) ss.push_back(eng->submit(p));
-    std::vector<std::vector<engine::token_id>> out;
-    for (auto& s : ss) out.push_back(drain(*s).tokens);
+    std::vector<std::vector<engine::token_id>> out(ps.size());
+    for (size_t i = 0; i < ps.size(); ++i) {
+      if (staggered && i == ps.size() / 2)
+        for (int k = 0; k < 3; ++k) {  // the first request's first tokens: the engine is decoding
+          auto ev = ss[0]->next(60s);
+          REQUIRE(ev);
+          REQUIRE(ev->type == actors::stream_event::kind::token);
+          out[0].push_back(ev->token);
+        }
+      ss.push_back(eng->submit(ps[i]));
+    }
+    for (size_t i = 0; i < ss.size(); ++i) {
+      auto rest = drain(*ss[i]).tokens;
+      out[i].insert(out[i].end(), rest.begin(), rest.end());
+    }
     const auto st = eng->stats();
     require_no_leak(*eng);
     n_ahead = st.n_steps_ahead;
+    n_admitted_ahead = st.sched.n_admitted_ahead;
     return std::make_pair(out, st.sched.n_preempted_swap + st.sched.n_preempted_recompute);
   };
   const auto [roomy, n0] = run(256, actors::preemption_mode::swap);
@@ -189,6 +204,10 @@ TEST_CASE("seeded sampling gives the same tokens with and without preemption or 
   const auto [one_step, n1] = run(256, actors::preemption_mode::swap, false);
   CHECK(n_ahead == 0);
   CHECK(one_step == roomy);
+  const auto [staggered, n2] = run(256, actors::preemption_mode::swap, true, true);
+  CHECK(n2 == 0);
+  CHECK(n_admitted_ahead > 0);
+  CHECK(staggered == roomy);
   for (auto mode : {actors::preemption_mode::swap, actors::preemption_mode::recompute}) {
     const auto [tight, n] = run(9, mode);
     CHECK(n > 0);
