@@ -150,7 +150,7 @@ action add_serve(CLI::App& app) {
   cmd->add_option("--max-waiting-tokens", f.max_waiting_tokens, "prompt tokens of the waiting requests at most (429 beyond)")->capture_default_str();
   cmd->add_option("--queue-timeout-s", f.queue_timeout_s, "longest wait for the first step (0: none; 503 after)")->capture_default_str();
   cmd->add_option("--preemption", f.preemption, "when KV runs out: swap or recompute")->capture_default_str();
-  cmd->add_option("--plan-ahead", f.plan_ahead, "pipelining: plan decode step n+1 while n runs (true/false)")->capture_default_str();
+  cmd->add_option("--plan-ahead", f.plan_ahead, "pipelining: plan step n+1 (decodes, short prompts that fit whole) while n runs (true/false)")->capture_default_str();
   cmd->add_option("--max-body-bytes", f.max_body_bytes, "largest request body accepted (413 beyond)")->capture_default_str();
   cmd->add_option("--request-timeout-s", f.request_timeout_s, "deadline of one generation")->capture_default_str();
   cmd->add_option("--idle-timeout-s", f.idle_timeout_s, "reading one request, or waiting for the next on a kept-alive connection")->capture_default_str();
