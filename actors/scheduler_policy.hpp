@@ -65,7 +65,7 @@ enum class priority_class : uint8_t { interactive, normal, batch };
 enum class preemption_mode : uint8_t { swap, recompute };
 
 struct scheduler_config {
-  int32_t max_batched_tokens = 512;     // tokens per step, decodes + prefill chunks
+  int32_t max_batched_tokens = 256;     // tokens per step, decodes + prefill chunks
   int32_t max_num_seqs = 64;            // running sequences (so also batch entries per step)
   int32_t long_prompt_threshold = 256;  // a prefill of this many tokens or more is long
   int32_t long_prefill_chunk = 256;     // a long prefill's chunk while others compete (0: no cap)

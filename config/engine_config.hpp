@@ -12,7 +12,7 @@ struct engine_config {
   int n_threads = 0;        // 0: one per physical core the process may use
   int n_ctx = 0;            // max positions per sequence; 0: the model's trained context
   int kv_block_size = 16;   // positions per KV block
-  int n_batch = 512;        // max tokens per forward step (prefill chunk size)
+  int n_batch = 256;        // max tokens per forward step (prefill chunk size); perf.md 2d
   int64_t max_kv_bytes = 1LL << 30;  // cap on the KV cache allocation
   std::string device = "cpu";  // the executor's device: "cpu", or "cuda" / "cuda:N" (builds with CUDA)
 };

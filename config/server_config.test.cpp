@@ -38,7 +38,7 @@ TEST_CASE("server_config: an empty file gives the documented defaults, which val
   CHECK(c.max_connections == 256);
   CHECK(c.engine.n_threads == 0);
   CHECK(c.engine.kv_block_size == 16);
-  CHECK(c.engine.n_batch == 512);
+  CHECK(c.engine.n_batch == 256);
   CHECK(c.kv_mb == 256);
   CHECK(c.max_num_seqs == 64);
   CHECK(c.max_waiting == 1024);
@@ -91,7 +91,7 @@ admin_api_keys = ["adm"]
   CHECK(c.admin_api_keys == std::vector<std::string>{"adm"});
   // untouched
   CHECK(c.max_connections == 256);
-  CHECK(c.engine.n_batch == 512);
+  CHECK(c.engine.n_batch == 256);
   CHECK(c.max_waiting == 1024);
   CHECK(validate(c).empty());
 }
