@@ -46,6 +46,15 @@ void scheduler_core::leave_waiting(uint64_t id) {
   n_waiting_tokens_ -= (int64_t)seqs_.at(id).tokens.size();
 }
 
+void scheduler_core::enter_running(sequence& s, double now, bool long_prefill) {
+  leave_waiting(s.req.id);
+  s.state = seq_state::running;
+  s.running_since = now;
+  s.long_prefill = long_prefill;
+  running_.push_back(s.req.id);
+  ++stats_.n_admitted;
+}
+
 void scheduler_core::leave_running(uint64_t id) { running_.erase(std::find(running_.begin(), running_.end(), id)); }
 
 admission scheduler_core::add(request_spec req, double now) {
@@ -205,12 +214,7 @@ step_plan scheduler_core::schedule(double now) {
       if (!cached) continue;
       s.n_computed = *cached;
     }
-    leave_waiting(a.seq);
-    s.state = seq_state::running;
-    s.running_since = now;
-    s.long_prefill = long_prefill;
-    running_.push_back(a.seq);
-    ++stats_.n_admitted;
+    enter_running(s, now, long_prefill);
     batch.push_back({a.seq, (int32_t)std::min<int64_t>(a.n_tokens, (int64_t)s.tokens.size() - s.n_computed)});
   }
 
@@ -265,12 +269,7 @@ std::optional<step_plan> scheduler_core::schedule_ahead(double now) {
     const auto cached = kv_.allocate(id, s.tokens);
     if (!cached) throw std::logic_error("scheduler_core: the ahead admission of " + seq_name(id) + " failed");
     s.n_computed = *cached;
-    leave_waiting(id);
-    s.state = seq_state::running;
-    s.running_since = now;
-    s.long_prefill = false;
-    running_.push_back(id);
-    ++stats_.n_admitted;
+    enter_running(s, now, false);
     ++stats_.n_admitted_ahead;
     tokens_left -= (int32_t)left;
     admitted.push_back({id, (int32_t)left});

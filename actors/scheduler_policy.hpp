@@ -271,6 +271,7 @@ class scheduler_core {
   void to_waiting(sequence& s, seq_state state, double now);
   void leave_waiting(uint64_t id);
   void leave_running(uint64_t id);
+  void enter_running(sequence& s, double now, bool long_prefill);  // admitted: waiting -> running
   batch_entry make_entry(const sequence& s, int32_t n_tokens) const;
   std::vector<uint64_t> waiting_by_age(double now) const;  // aged order (best first)
 
