@@ -1,12 +1,14 @@
 // paged_attention against kernels::attention_row on the same fp16 cache: mixed steps (chunked
 // prefill continuing a cached prefix, q_len off the tile sizes, decode rows short and long enough
-// to split), GQA ratios 1 to 16, head_dim 64 and 128, shuffled block tables. Cache slots no row
-// may read (past each sequence's KV, unused blocks, the other layer) hold NaN, as does the output
-// before the call.
+// to split), GQA ratios 1 to 64, head_dim 64 and 128, block sizes 16 and odd ones, shuffled block
+// tables. Cache slots no row may read (past each sequence's KV, unused blocks, the other layer)
+// hold NaN, as does the output before the call.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -32,6 +34,7 @@ struct attn_case {
   std::vector<seq_spec> seqs;
   int extra_q_len = 0;   // added to max_q_len / max_kv_len: the launcher must accept upper bounds
   int extra_kv_len = 0;
+  int block_size = 16;
 };
 
 // Mixed prefill and decode: q_len 37 / 130 / 2 / 3 (130 > 2 tiles), a continued prefix at
@@ -40,14 +43,30 @@ std::vector<seq_spec> mixed_step() {
   return {{0, 37}, {100, 130}, {0, 1}, {16, 1}, {0, 2}, {699, 1}, {1000, 3}, {2999, 1}};
 }
 
-constexpr int block_size = 16;
 constexpr int n_layers = 2;
 constexpr int layer = 1;
 
-// Runs one step on the device and on the CPU; returns the normalized error of the output.
+// Max over (token row, head) of max|got - want| / max|want| of that head's row (infinity on NaN).
+// Per row, not over the whole output: a long row's output is a mean over many values, so it is
+// ~1/sqrt(kv_len) of a short row's, and a bug confined to long rows (split bounds, the merge)
+// would hide under a global scale. Expected error ~4e-3 (bf16 output: half an ulp is 2^-8).
+double row_normalized_error(const std::vector<float>& got, const std::vector<float>& want, int hd) {
+  if (got.size() != want.size()) return std::numeric_limits<double>::infinity();
+  double worst = 0.0;
+  for (size_t r0 = 0; r0 < want.size(); r0 += (size_t)hd) {
+    const std::vector<float> g(got.begin() + (std::ptrdiff_t)r0, got.begin() + (std::ptrdiff_t)(r0 + hd));
+    const std::vector<float> w(want.begin() + (std::ptrdiff_t)r0, want.begin() + (std::ptrdiff_t)(r0 + hd));
+    const double e = normalized_error(g, w);
+    if (!(e <= worst)) worst = std::isnan(e) ? std::numeric_limits<double>::infinity() : e;
+  }
+  return worst;
+}
+
+// Runs one step on the device and on the CPU; returns the per-row normalized error of the output.
 double run_case(const attn_case& c, uint64_t seed) {
   std::mt19937_64 rng(seed);
   const int hd = c.head_dim;
+  const int block_size = c.block_size;
   const int64_t row_elems = (int64_t)c.n_kv_heads * hd;
   const int64_t block_elems = (int64_t)n_layers * 2 * block_size * row_elems;
   const int n_seqs = (int)c.seqs.size();
@@ -150,7 +169,7 @@ double run_case(const attn_case& c, uint64_t seed) {
   }
   paged_attention(d_q.p, st, kv, layer, c.n_heads, scale, d_out.p, sc, nullptr);
   check(cudaDeviceSynchronize(), "paged_attention");
-  return normalized_error(from_bf16(d_out.download()), want);
+  return row_normalized_error(from_bf16(d_out.download()), want, hd);
 }
 
 }  // namespace
@@ -163,6 +182,8 @@ TEST_CASE("paged_attention matches the CPU reference on mixed steps", "[cuda]") 
                             shape{32, 8, 128},   // Llama-3-8B: GQA 4
                             shape{8, 8, 128},    // no GQA
                             shape{28, 4, 128},   // Qwen2.5-7B: GQA 7
+                            shape{16, 8, 64},    // GQA 2
+                            shape{64, 8, 128},   // GQA 8: one full decode CTA per kv head
                             shape{16, 1, 64});   // GQA 16: two decode CTAs per kv head
   const int max_splits = GENERATE(0, 16);
   const uint64_t seed = fresh_seed();
@@ -177,6 +198,21 @@ TEST_CASE("paged_attention decode-only batch splits long rows", "[cuda]") {
   const uint64_t seed = fresh_seed();
   INFO("head_dim " << head_dim << " seed " << seed);
   attn_case c{32, 8, head_dim, 16, {{0, 1}, {512, 1}, {513, 1}, {1023, 1}, {4095, 1}, {77, 1}, {2500, 1}}};
+  CHECK(run_case(c, seed) <= 2e-2);
+}
+
+TEST_CASE("paged_attention reads any block_size through the block table", "[cuda]") {
+  struct shape {
+    int n_heads, n_kv_heads, head_dim;
+  };
+  const shape sh = GENERATE(shape{9, 3, 64},     // GQA 3
+                            shape{64, 1, 128});  // GQA 64, the limit: one query row per prefill tile
+  const int bs = GENERATE(1, 7, 33);  // KV tiles and splits cross blocks at odd offsets
+  const uint64_t seed = fresh_seed();
+  INFO("n_heads " << sh.n_heads << " n_kv_heads " << sh.n_kv_heads << " head_dim " << sh.head_dim << " block_size "
+                  << bs << " seed " << seed);
+  attn_case c{sh.n_heads, sh.n_kv_heads, sh.head_dim, 16, mixed_step()};
+  c.block_size = bs;
   CHECK(run_case(c, seed) <= 2e-2);
 }
 
@@ -205,4 +241,6 @@ TEST_CASE("paged_attention rejects unsupported shapes", "[cuda]") {
   CHECK_THROWS_AS(paged_attention(nullptr, st, kv, 0, 4, 1.0f, nullptr, sc, nullptr), cuda_error);
   kv.head_dim = 64;
   CHECK_THROWS_AS(paged_attention(nullptr, st, kv, 0, 5, 1.0f, nullptr, sc, nullptr), cuda_error);  // 5 % 2
+  CHECK_THROWS_AS(paged_attention(nullptr, st, kv, 0, 130, 1.0f, nullptr, sc, nullptr), cuda_error);  // group 65
+  CHECK_NOTHROW(paged_attention(nullptr, st, kv, 0, 4, 1.0f, nullptr, sc, nullptr));  // empty step: no launch
 }
