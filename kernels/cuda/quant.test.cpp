@@ -30,7 +30,8 @@ const type_info types[] = {
     {quant_type::q4_k, cpu::dtype::q4_k, 256, int(sizeof(cpu::block_q4_k))},
 };
 
-/// n_blocks random blocks: every byte random except the fp16 scales, small and finite.
+/// n_blocks random blocks: every byte random except the fp16 scales, small and finite, of either
+/// sign (ggml's q4_0 quantizer stores d = max / -8, negative for a positive extreme).
 std::vector<uint8_t> random_blocks(const type_info& ti, int64_t n_blocks, std::mt19937_64& g) {
   std::vector<uint8_t> raw(size_t(n_blocks * ti.block_bytes));
   for (auto& b : raw) b = uint8_t(g());
@@ -39,7 +40,7 @@ std::vector<uint8_t> random_blocks(const type_info& ti, int64_t n_blocks, std::m
     uint8_t* blk = &raw[size_t(b * ti.block_bytes)];
     const int n_scales = ti.t == quant_type::q4_k ? 2 : 1;  // q4_k: d and dmin
     for (int s = 0; s < n_scales; ++s) {
-      const uint16_t h = cpu::f32_to_fp16(scale(g));
+      const uint16_t h = cpu::f32_to_fp16((g() & 1) ? scale(g) : -scale(g));
       std::memcpy(blk + 2 * s, &h, 2);
     }
   }
@@ -53,27 +54,29 @@ TEST_CASE("gemv_quant matches dequantized weights times bf16 activations", "[cud
   INFO("seed " << seed);
   std::mt19937_64 g(seed);
   for (const auto& ti : types) {
-    const int64_t n_out = 1003, n_in = ti.block_values == 256 ? 1280 : 576;
-    const int64_t row_blocks = n_in / ti.block_values;
-    const auto raw = random_blocks(ti, n_out * row_blocks, g);
-    std::vector<float> w(size_t(n_out * n_in));
-    for (int64_t o = 0; o < n_out; ++o)
-      cpu::dequantize_row(ti.dt, &raw[size_t(o * row_blocks * ti.block_bytes)], &w[size_t(o * n_in)], n_in);
-    dev_buf<uint8_t> d_w(raw);
-    for (const int batch : {1, 3, 8}) {
-      const auto x = round_bf16(random_floats(size_t(batch * n_in), g));
-      dev_buf<bf16> d_x(to_bf16(x)), d_y(size_t(batch * n_out));
-      d_y.poison();
-      gemv_quant(ti.t, d_w.p, n_out, n_in, d_x.p, d_y.p, batch, nullptr);
-      std::vector<float> want(size_t(batch * n_out));
-      for (int b = 0; b < batch; ++b)
-        for (int64_t o = 0; o < n_out; ++o) {
-          double s = 0.0;
-          for (int64_t i = 0; i < n_in; ++i) s += double(w[size_t(o * n_in + i)]) * x[size_t(b * n_in + i)];
-          want[size_t(b * n_out + o)] = float(s);
-        }
-      INFO("type " << int(ti.t) << " batch " << batch);
-      CHECK(normalized_error(from_bf16(d_y.download()), want) <= 1e-2);
+    for (const int64_t n_out : {int64_t{1003}, int64_t{3}}) {  // 3: fewer rows than one thread block
+      const int64_t n_in = ti.block_values == 256 ? 1280 : 576;
+      const int64_t row_blocks = n_in / ti.block_values;
+      const auto raw = random_blocks(ti, n_out * row_blocks, g);
+      std::vector<float> w(size_t(n_out * n_in));
+      for (int64_t o = 0; o < n_out; ++o)
+        cpu::dequantize_row(ti.dt, &raw[size_t(o * row_blocks * ti.block_bytes)], &w[size_t(o * n_in)], n_in);
+      dev_buf<uint8_t> d_w(raw);
+      for (const int batch : {1, 3, 8}) {
+        const auto x = round_bf16(random_floats(size_t(batch * n_in), g));
+        dev_buf<bf16> d_x(to_bf16(x)), d_y(size_t(batch * n_out));
+        d_y.poison();
+        gemv_quant(ti.t, d_w.p, n_out, n_in, d_x.p, d_y.p, batch, nullptr);
+        std::vector<float> want(size_t(batch * n_out));
+        for (int b = 0; b < batch; ++b)
+          for (int64_t o = 0; o < n_out; ++o) {
+            double s = 0.0;
+            for (int64_t i = 0; i < n_in; ++i) s += double(w[size_t(o * n_in + i)]) * x[size_t(b * n_in + i)];
+            want[size_t(b * n_out + o)] = float(s);
+          }
+        INFO("type " << int(ti.t) << " n_out " << n_out << " batch " << batch);
+        CHECK(normalized_error(from_bf16(d_y.download()), want) <= 1e-2);
+      }
     }
   }
 }

@@ -24,6 +24,12 @@
 // Draws: u = (h >> 11) * 2^-53 where h is a splitmix64-style hash of (seed, draw); the token is
 // the first survivor in id order whose running weight exceeds u * W (the last positive one if
 // rounding leaves none). Every sum has a fixed order, so the same inputs give the same token.
+//
+// Against engine::sampler: greedy rows (and the penalties) give the CPU's token exactly; seeded
+// stochastic rows draw from the same survivor set and distribution but NOT the same token for the
+// same seed: the CPU takes u from a per-sequence mt19937_64 stream, walks top-k survivors in rank
+// order and uses its own exp, while this kernel hashes (seed, draw), walks in id order and uses
+// expf. Penalty histories are used whole: the caller applies penalty_last_n.
 #include <climits>
 #include <cstdint>
 
@@ -360,6 +366,7 @@ void sample_tokens(float* logits, int n_rows, int n_vocab, const sample_row_para
                    const int32_t* hist_start, void* scratch, int32_t* out_tokens, cudaStream_t stream) {
   if (n_rows <= 0) return;
   if (n_vocab <= 0) throw cuda_error("sample_tokens: n_vocab must be positive");
+  if (history && hist_start && !scratch) throw cuda_error("sample_tokens: penalty histories need scratch");
   sample_kernel<<<n_rows, sample_threads, 0, stream>>>(logits, n_vocab, params, history, hist_start,
                                                        static_cast<int32_t*>(scratch), out_tokens);
   check_launch("sample_tokens");

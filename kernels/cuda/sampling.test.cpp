@@ -72,12 +72,14 @@ int32_t cpu_token(std::vector<float> row, const sample_row_params& p, const std:
 }
 
 /// Reference survivor set of top-k -> top-p (temperature 1, over the top-k set) -> min-p, with
-/// engine::sampler's ranking: logit descending, ties to the lower id. Sums in double.
+/// engine::sampler's ranking: logit descending, ties to the lower id. Sums in double. NaN logits
+/// are left out (they rank last and weigh nothing); at least one logit must be a number.
 std::vector<int32_t> survivors(const float* l, int n, int top_k, float top_p, float min_p) {
-  std::vector<int32_t> order(static_cast<size_t>(n));
-  std::iota(order.begin(), order.end(), 0);
+  std::vector<int32_t> order;
+  for (int32_t i = 0; i < n; ++i)
+    if (!std::isnan(l[i])) order.push_back(i);
   std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return l[a] > l[b]; });
-  if (top_k > 0 && top_k < n) order.resize(size_t(top_k));
+  if (top_k > 0 && top_k < n && size_t(top_k) < order.size()) order.resize(size_t(top_k));
   const float l_max = l[order[0]];
   if (top_p < 1.0f) {
     double total = 0.0;
@@ -296,5 +298,61 @@ TEST_CASE("sample_tokens follows the softmax of the survivors at the temperature
     const double chi = chi_square(counts, probs, rows, df);
     INFO("chi2 " << chi << " df " << df);
     CHECK(chi <= df + 5.0 * std::sqrt(2.0 * std::max(df, 1)) + 10.0);
+  }
+}
+
+TEST_CASE("sample_tokens skips NaN and -inf logits, at the real vocabulary sizes", "[cuda]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 g(seed);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  struct config {
+    float temperature;
+    int top_k;
+    float top_p, min_p;
+  };
+  const config configs[] = {{0.0f, 0, 1.0f, 0.0f}, {1.0f, 0, 1.0f, 0.0f}, {1.0f, 0, 0.9f, 0.0f},
+                            {0.8f, 50, 0.95f, 0.0f}, {1.0f, 0, 1.0f, 0.1f}};
+  for (const int n : {128256, 152064}) {
+    // Token 0 and a few hundred others NaN, as many -inf: neither may ever be drawn.
+    auto one = normal_logits(size_t(n), g, 3.0f);
+    one[0] = nan;
+    for (int j = 0; j < 300; ++j) one[g() % size_t(n)] = nan, one[g() % size_t(n)] = -inf;
+    for (const auto& c : configs) {
+      INFO("n " << n << " T " << c.temperature << " top_k " << c.top_k << " top_p " << c.top_p << " min_p " << c.min_p);
+      const int rows = 8;
+      std::vector<float> logits;
+      std::vector<sample_row_params> params;
+      for (int r = 0; r < rows; ++r) {
+        logits.insert(logits.end(), one.begin(), one.end());
+        params.push_back(stochastic(c.temperature, c.top_k, c.top_p, c.min_p, seed, uint64_t(r)));
+      }
+      const auto got = run(logits, n, params).tokens;
+      const auto kept = survivors(one.data(), n, c.top_k, c.top_p, c.min_p);
+      std::vector<char> in_set(size_t(n), 0);
+      for (int32_t t : kept) in_set[size_t(t)] = 1;
+      for (int r = 0; r < rows; ++r) {
+        const int32_t t = got[size_t(r)];
+        INFO("row " << r << " token " << t);
+        REQUIRE(t >= 0);
+        REQUIRE(t < n);
+        CHECK(std::isfinite(one[size_t(t)]));
+        CHECK(in_set[size_t(t)]);
+        if (c.temperature == 0.0f) CHECK(t == cpu_token(one, params[size_t(r)], {}));
+      }
+    }
+  }
+  // No finite logit: token 0, as the CPU sampler (greedy and stochastic alike).
+  std::vector<float> hopeless(size_t(vocab), -inf);
+  hopeless[7] = nan;
+  const std::vector<sample_row_params> params = {stochastic(0.0f, 0, 1.0f, 0.0f, seed, 0),
+                                                 stochastic(1.0f, 0, 0.9f, 0.0f, seed, 1)};
+  std::vector<float> logits(hopeless);
+  logits.insert(logits.end(), hopeless.begin(), hopeless.end());
+  const auto got = run(logits, vocab, params).tokens;
+  for (size_t r = 0; r < params.size(); ++r) {
+    INFO("row " << r);
+    CHECK(got[r] == 0);
+    CHECK(got[r] == cpu_token(hopeless, params[r], {}));
   }
 }
