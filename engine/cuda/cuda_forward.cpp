@@ -429,10 +429,16 @@ cudaGraphExec_t cuda_forward::capture(const plan& p, cudaStream_t s) {
     cudaGetLastError();
     throw;
   }
-  kc::check(cudaStreamEndCapture(s, &g), "capturing a decode step");
+  // Failures here are not sticky: clear them, so the next step's check_launch does not see them.
+  if (const cudaError_t e = cudaStreamEndCapture(s, &g); e != cudaSuccess) {
+    if (g) cudaGraphDestroy(g);
+    cudaGetLastError();
+    kc::check(e, "capturing a decode step");
+  }
   cudaGraphExec_t exec = nullptr;
   const cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
   cudaGraphDestroy(g);
+  if (e != cudaSuccess) cudaGetLastError();
   kc::check(e, "cudaGraphInstantiate");
   return exec;
 }

@@ -1,6 +1,7 @@
 // The CUDA forward against the CPU forward (the reference): whole-model logits over a prefill and
 // decode steps in a paged cache with non-contiguous block tables, greedy continuations, CUDA
-// graph replays against eager runs, KV block copies, synthetic weights, and the errors.
+// graph replays against eager runs, device sampling against the logits rows, KV block copies,
+// synthetic weights, and the errors.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -301,6 +302,46 @@ TEST_CASE("CUDA forward: synthetic weights run and give finite logits", "[cuda]"
     ++sp.draw;
   }
   CHECK_THROWS_AS(ec::cuda_forward::synthetic("gpt-5", small_options(4)), std::invalid_argument);
+}
+
+TEST_CASE("CUDA forward: forward_sample greedy equals the argmax of the forward logits, row for row", "[cuda]") {
+  // Gathered prefill rows (all, none and last-only chunks), then a decode of 5 sequences padded to
+  // a bucket of 8 with a no-logits row: forward() runs each step eagerly (capturing the decode),
+  // forward_sample() reruns it (the decode from the graph) and must map every row back.
+  ec::cuda_options o = small_options(16);
+  o.max_seqs = 8;
+  auto f = ec::cuda_forward::synthetic("smollm2-135m", o);
+  const int n_vocab = f->hparams().n_vocab;
+  std::mt19937 g(11);
+  auto random_tokens = [&](size_t n) {
+    std::vector<token_id> t(n);
+    for (auto& x : t) x = (token_id)(g() % (unsigned)n_vocab);
+    return t;
+  };
+  const std::vector<std::vector<int32_t>> tables = {{0}, {1}, {2}, {3}, {4}};
+  auto check_step = [&](std::span<const seq_chunk> batch, const char* step) {
+    const std::vector<float> logits = f->forward(batch);
+    const size_t rows = logits.size() / (size_t)n_vocab;
+    kc::sample_row_params greedy;
+    greedy.temperature = 0.0f;
+    const std::vector<kc::sample_row_params> params(rows, greedy);
+    const std::vector<int32_t> got = f->forward_sample(batch, params);
+    REQUIRE(got.size() == rows);
+    for (size_t r = 0; r < rows; ++r) {
+      INFO(step << " row " << r);
+      CHECK(got[r] == argmax(&logits[r * (size_t)n_vocab], n_vocab));
+    }
+    return rows;
+  };
+  const std::vector<token_id> a = random_tokens(5), b = random_tokens(7), c = random_tokens(9);
+  const seq_chunk prefill[3] = {{a, 0, tables[0], true, false}, {b, 0, tables[1], false, true}, {c, 0, tables[2]}};
+  CHECK(check_step(prefill, "prefill") == 6);
+  const std::vector<token_id> next = random_tokens(5);
+  const int64_t pos[5] = {5, 7, 9, 0, 0};
+  std::vector<seq_chunk> decode;
+  for (size_t s = 0; s < 5; ++s) decode.push_back({std::span(&next[s], 1), pos[s], tables[s], false, s == 1});
+  CHECK(check_step(decode, "decode") == 4);
+  CHECK(f->n_graphs() == 1);
 }
 
 TEST_CASE("CUDA forward: errors are reported, not hung or crashed on", "[cuda]") {

@@ -92,6 +92,9 @@ void wait_event(cudaEvent_t ev, std::chrono::milliseconds timeout, const char* w
     const cudaError_t e = cudaEventQuery(ev);
     if (e == cudaSuccess) return;
     if (e != cudaErrorNotReady) kc::check(e, what);
+    // cudaErrorNotReady is recorded as the thread's last error: clear it, or the next
+    // check_launch (cudaGetLastError) reports "device not ready" for a good launch.
+    if (cudaPeekAtLastError() == cudaErrorNotReady) cudaGetLastError();
     const auto waited = clock::now() - t0;
     if (waited > timeout)
       throw kc::cuda_error(std::string(what) + ": the device did not finish within " + std::to_string(timeout.count()) +

@@ -25,6 +25,13 @@ std::optional<kc::quant_type> gemv_type(dtype t) {
 
 size_t raw_bytes(const kernels::weight_view& w) { return w.row_stride * (size_t)w.n_out; }
 
+// Bytes a batch-1 step reads beside the matrices: its one embedding row (bf16), the norm weights
+// and the q/k/v biases (fp32).
+size_t small_bytes_per_token(const model_hparams& hp, bool biases) {
+  const size_t d = (size_t)hp.d_model, qkv = (size_t)(hp.n_heads + 2 * hp.n_kv_heads) * (size_t)hp.head_dim;
+  return d * sizeof(bf16) + (size_t)hp.n_layers * (2 * d + (biases ? qkv : 0)) * sizeof(float) + d * sizeof(float);
+}
+
 }  // namespace
 
 template <class T>
@@ -145,6 +152,7 @@ device_weights::device_weights(const model& mdl, const weight_options& o, cudaSt
     for (const dev_matrix* m : {&d.qkv, &d.o, &d.gate_up, &d.down}) count_decode_bytes(*m);
   }
   count_decode_bytes(output_);
+  decode_bytes_ += small_bytes_per_token(hp_, !layers_.empty() && layers_[0].bq != nullptr);
   kc::check(cudaStreamSynchronize(stream), "uploading the weights");
 }
 
@@ -190,6 +198,7 @@ device_weights::device_weights(const model_hparams& hp, uint64_t seed, cudaStrea
     for (const dev_matrix* m : {&L.qkv, &L.o, &L.gate_up, &L.down}) count_decode_bytes(*m);
   }
   count_decode_bytes(output_);
+  decode_bytes_ += small_bytes_per_token(hp_, hp.arch == "qwen2");
   kc::check(cudaStreamSynchronize(stream), "generating the weights");
 }
 

@@ -67,7 +67,8 @@ class device_weights {
   /// Elements of the largest raw-only matrix (the expansion scratch a forward needs), else 0.
   int64_t max_raw_only_elems() const { return max_raw_only_elems_; }
   /// Bytes one decode step at batch 1 reads: the matrices it multiplies with, in the form used
-  /// at batch 1 (raw where gemv serves it), plus the output head.
+  /// at batch 1 (raw where gemv serves it), plus the output head, the one embedding row and the
+  /// norm weights and biases (not the rest of the embedding table).
   size_t decode_bytes_per_token() const { return decode_bytes_; }
   /// Device bytes held.
   size_t device_bytes() const { return device_bytes_; }
