@@ -1,6 +1,9 @@
 // The executor: one per device (the CPU, or a CUDA device with --device cuda). The only owner of
 // its KV memory (device pool and host swap pool), its weights on the device, its threads or
-// streams and its forward pass. Sampling runs on the host, the same code for every backend.
+// streams and its forward pass. Sampling: on a CUDA device, on the device (logits never leave
+// it) unless a row asks for log-probabilities; else on the host (engine::sampler). Greedy rows
+// pick the same token either way; seeded stochastic rows draw from the same distribution but
+// not the same token (kernels/cuda/sampling.cu says why).
 // Spawned detached, so a step's compute runs on the executor's own thread, never on CAF's
 // scheduler threads. One step per message.
 #include <chrono>
@@ -19,12 +22,26 @@ namespace troupe::actors {
 
 namespace {
 
-// What the executor drives on its device: block copies, then a forward that returns logits rows.
+// One logits row to sample on the device: its parameters, draw seed and penalty window.
+struct device_sample_row {
+  const engine::sampling_params* params = nullptr;
+  uint64_t seed = 0, draw = 0;
+  std::span<const engine::token_id> penalty_window;
+};
+
+// What the executor drives on its device: block copies, then a forward that returns logits rows,
+// or (a device that samples) one that returns the sampled tokens.
 class backend {
  public:
   virtual ~backend() = default;
   virtual void copy_blocks(const std::vector<engine::block_copy>& copies) = 0;
   virtual const std::vector<float>& forward(std::span<const engine::seq_chunk> batch) = 0;
+  /// Whether forward_sample takes `rows` logits rows with `history_tokens` penalty tokens in all.
+  virtual bool samples_on_device(size_t /*rows*/, size_t /*history_tokens*/) const { return false; }
+  virtual std::vector<engine::token_id> forward_sample(std::span<const engine::seq_chunk>,
+                                                       std::span<const device_sample_row>) {
+    throw std::logic_error("executor: this backend samples on the host");
+  }
 };
 
 // The CPU: KV pools in host memory, the forward on the executor's own thread pool.
@@ -58,10 +75,29 @@ class cpu_backend final : public backend {
 // copies go on its copy stream, which the next forward waits for.
 class cuda_backend final : public backend {
  public:
-  explicit cuda_backend(const executor_config& c) : fwd_(*c.model, options(c)) {}
+  explicit cuda_backend(const executor_config& c) : opt_(options(c)), fwd_(*c.model, opt_) {}
 
   void copy_blocks(const std::vector<engine::block_copy>& copies) override { fwd_.copy_blocks(copies); }
   const std::vector<float>& forward(std::span<const engine::seq_chunk> batch) override { return fwd_.forward(batch); }
+
+  bool samples_on_device(size_t rows, size_t history_tokens) const override {
+    return rows <= (size_t)opt_.max_logit_rows && history_tokens <= (size_t)opt_.max_history_tokens;
+  }
+  std::vector<engine::token_id> forward_sample(std::span<const engine::seq_chunk> batch,
+                                               std::span<const device_sample_row> rows) override {
+    params_.clear();
+    histories_.clear();
+    bool any_history = false;
+    for (const auto& r : rows) {
+      const engine::sampling_params& p = *r.params;
+      params_.push_back({p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                         p.frequency_penalty, r.seed, r.draw});
+      histories_.push_back(r.penalty_window);
+      any_history = any_history || !r.penalty_window.empty();
+    }
+    if (!any_history) histories_.clear();
+    return fwd_.forward_sample(batch, params_, histories_);
+  }
 
  private:
   static engine::cuda::cuda_options options(const executor_config& c) {
@@ -70,9 +106,17 @@ class cuda_backend final : public backend {
     o.n_blocks = c.n_device_blocks;  // the scheduler's block manager addresses exactly these
     o.n_host_blocks = c.n_host_blocks;
     o.block_size = c.kv.block_size;
+    // Step buffers sized for the scheduler's steps (cuda_forward raises them to its minimums).
+    o.max_batch_tokens = c.max_batch_tokens;
+    o.max_seqs = c.max_seqs;
+    o.max_context = (int)std::min<int64_t>(c.max_context, INT32_MAX);
+    o.max_logit_rows = c.max_seqs;
     return o;
   }
+  engine::cuda::cuda_options opt_;
   engine::cuda::cuda_forward fwd_;
+  std::vector<kernels::cuda::sample_row_params> params_;
+  std::vector<std::span<const int32_t>> histories_;
 };
 #endif
 
@@ -124,31 +168,56 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg) 
         st->chunks.clear();
         for (const auto& e : w.batch) st->chunks.push_back({e.tokens, e.pos0, e.block_table, false, !e.need_logits});
         if (w.inject_fault) throw std::runtime_error("injected executor fault");
-        const std::vector<float>& logits = st->dev->forward(st->chunks);
-        const int n_vocab = cfg.model->hparams().n_vocab;
-        std::vector<float> row((size_t)n_vocab);
-        std::unordered_map<uint64_t, engine::token_id> sampled_now;
-        size_t si = 0;
-        for (size_t i = 0; i < w.batch.size(); ++i) {
-          if (!w.batch[i].need_logits) continue;
+        // A row's penalty history: the sequence so far, plus the token fed to a decode planned
+        // ahead (the scheduler has not seen it yet).
+        std::vector<std::vector<engine::token_id>> fed_histories;
+        const auto history_of = [&](const sample_spec& sp) -> std::span<const engine::token_id> {
+          auto f = fed.find(sp.seq);
+          if (f == fed.end() || sp.history.empty()) return sp.history;
+          fed_histories.push_back(sp.history);  // a move of the outer vector keeps the inner buffers
+          fed_histories.back().push_back(f->second);
+          return fed_histories.back();
+        };
+        const auto spec_of = [&](size_t si, const batch_entry& e) -> const sample_spec& {
           const sample_spec& sp = w.sampling.at(si);
-          if (sp.seq != w.batch[i].seq) throw std::logic_error("executor: sampling specs out of order");
-          std::memcpy(row.data(), logits.data() + si * (size_t)n_vocab, sizeof(float) * (size_t)n_vocab);
-          ++si;
-          engine::sampling_params p = *sp.params;
-          p.seed = mix_seed(p.seed, sp.draw_index);
-          p.has_seed = true;
-          engine::sampler smp(p);
-          std::vector<engine::token_id> history_fed;
-          std::span<const engine::token_id> history = sp.history;
-          if (auto f = fed.find(sp.seq); f != fed.end() && !sp.history.empty()) {
-            history_fed = sp.history;
-            history_fed.push_back(f->second);
-            history = history_fed;
-          }
-          out.tokens.push_back({sp.seq, smp.sample(row, history)});
-          sampled_now[sp.seq] = out.tokens.back().r.token;
+          if (sp.seq != e.seq) throw std::logic_error("executor: sampling specs out of order");
+          return sp;
+        };
+        bool logprobs = false;
+        size_t history_tokens = 0;
+        for (const auto& sp : w.sampling) {
+          logprobs = logprobs || sp.params->logprobs || sp.params->top_logprobs > 0;
+          history_tokens += sp.history.size() + 1;
         }
+        if (!logprobs && st->dev->samples_on_device(w.sampling.size(), history_tokens)) {
+          std::vector<device_sample_row> rows;
+          size_t si = 0;
+          for (const auto& e : w.batch) {
+            if (!e.need_logits) continue;
+            const sample_spec& sp = spec_of(si++, e);
+            rows.push_back({sp.params.get(), sp.params->seed, sp.draw_index, engine::penalty_window(*sp.params, history_of(sp))});
+          }
+          const std::vector<engine::token_id> tokens = st->dev->forward_sample(st->chunks, rows);
+          for (size_t i = 0; i < tokens.size(); ++i) out.tokens.push_back({w.sampling.at(i).seq, engine::sample_result{tokens[i], 0.0f, {}}});
+        } else {
+          const std::vector<float>& logits = st->dev->forward(st->chunks);
+          const int n_vocab = cfg.model->hparams().n_vocab;
+          std::vector<float> row((size_t)n_vocab);
+          size_t si = 0;
+          for (const auto& e : w.batch) {
+            if (!e.need_logits) continue;
+            const sample_spec& sp = spec_of(si, e);
+            std::memcpy(row.data(), logits.data() + si * (size_t)n_vocab, sizeof(float) * (size_t)n_vocab);
+            ++si;
+            engine::sampling_params p = *sp.params;
+            p.seed = mix_seed(p.seed, sp.draw_index);
+            p.has_seed = true;
+            engine::sampler smp(p);
+            out.tokens.push_back({sp.seq, smp.sample(row, history_of(sp))});
+          }
+        }
+        std::unordered_map<uint64_t, engine::token_id> sampled_now;
+        for (const auto& t : out.tokens) sampled_now[t.seq] = t.r.token;
         st->last_sampled = std::move(sampled_now);
         out.compute_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         return out;

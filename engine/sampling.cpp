@@ -201,14 +201,19 @@ sampler::sampler(const sampling_params& p) : p_(p) {
 
 double sampler::next_unit() { return double(rng_() >> 11) * 0x1.0p-53; }
 
+std::span<const int32_t> penalty_window(const sampling_params& p, std::span<const int32_t> history) {
+  const bool active = p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f;
+  if (!active || p.penalty_last_n == 0) return {};
+  if (p.penalty_last_n > 0 && history.size() > size_t(p.penalty_last_n))
+    return history.subspan(history.size() - size_t(p.penalty_last_n));
+  return history;
+}
+
 void sampler::apply_penalties(std::span<float> logits, std::span<const int32_t> history) {
   saved_.clear();
-  const bool active = p_.repetition_penalty != 1.0f || p_.presence_penalty != 0.0f ||
-                      p_.frequency_penalty != 0.0f;
-  if (!active || p_.penalty_last_n == 0 || history.empty()) return;
-  size_t n = history.size();
-  if (p_.penalty_last_n > 0) n = std::min(n, size_t(p_.penalty_last_n));
-  window_.assign(history.end() - ptrdiff_t(n), history.end());
+  const auto window = penalty_window(p_, history);
+  if (window.empty()) return;
+  window_.assign(window.begin(), window.end());
   std::sort(window_.begin(), window_.end());
   const auto n_vocab = int64_t(logits.size());
   for (size_t i = 0; i < window_.size();) {

@@ -53,6 +53,10 @@ struct sample_result {
   std::vector<token_logprob> top;      // top_logprobs alternatives, most likely first
 };
 
+/// The tokens of `history` (the sequence so far) that the penalties of `p` count: its last
+/// penalty_last_n (all for -1), none when no penalty is active or penalty_last_n is 0.
+std::span<const int32_t> penalty_window(const sampling_params& p, std::span<const int32_t> history);
+
 /// One sampler per sequence: it owns the random stream, so the same seed and the same logits
 /// give the same tokens. Not thread-safe; cheap to construct.
 ///

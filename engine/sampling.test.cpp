@@ -294,6 +294,21 @@ TEST_CASE("penalties follow the llama.cpp arithmetic", "[sampling]") {
   CHECK(sampler(p).sample(two, std::vector<int32_t>{0}).token == 1);
 }
 
+TEST_CASE("penalty_window: the last penalty_last_n tokens, none when no penalty is active", "[sampling]") {
+  const std::vector<int32_t> h = {5, 6, 7, 8};
+  sampling_params p;
+  CHECK(penalty_window(p, h).empty());  // every penalty off
+  p.presence_penalty = 0.5f;
+  p.penalty_last_n = 3;
+  CHECK(std::vector<int32_t>(penalty_window(p, h).begin(), penalty_window(p, h).end()) == std::vector<int32_t>{6, 7, 8});
+  p.penalty_last_n = 64;
+  CHECK(penalty_window(p, h).size() == 4);
+  p.penalty_last_n = -1;
+  CHECK(penalty_window(p, h).size() == 4);
+  p.penalty_last_n = 0;
+  CHECK(penalty_window(p, h).empty());
+}
+
 TEST_CASE("seeded sampling is reproducible and seed-dependent", "[sampling]") {
   auto logits = random_logits(49152, 1, 2.0f);
   for (int top_k : {0, 40}) {
