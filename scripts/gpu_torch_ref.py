@@ -24,6 +24,7 @@ wraps the forward in torch.compile(dynamic=True) for a second opinion.
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.nn.functional as F
@@ -115,12 +116,18 @@ class Decoder:
         return logits.argmax(-1)
 
 
-def time_ms(fn, warmup: int, reps: int) -> float:
-    """Median milliseconds of fn() over reps, timed with CUDA events after warmup calls."""
+def time_ms(fn, warmup: int, reps: int, cuda: bool = True) -> float:
+    """Median milliseconds of fn() over reps, timed with CUDA events after warmup calls (on the
+    CPU, a dry run of this script: wall clock)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -138,18 +145,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="decode steps per timed run")
     ap.add_argument("--prefill", type=int, default=2048, help="prompt length of the prefill figure (0: skip)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the forward (off: plain eager)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script (small --arch)")
     args = ap.parse_args()
 
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device")
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
+    on_cuda = dev.type == "cuda"
     torch.manual_seed(0)
     batches = [int(b) for b in args.batches.split(",") if b]
     if not 0 < args.steps < args.context:
         raise SystemExit("need 0 < --steps < --context")
     model = Decoder(args.arch, max(args.context, args.prefill), dev)
     fwd = torch.compile(model.forward, dynamic=True) if args.compile else model.forward
-    print(f"# torch {torch.__version__} on {torch.cuda.get_device_name()}; arch {args.arch}; "
+    print(f"# torch {torch.__version__} on {torch.cuda.get_device_name() if on_cuda else 'cpu'}; arch {args.arch}; "
           f"weights {model.weight_bytes / 1e9:.2f} GB bf16; compile {'on' if args.compile else 'off'}")
     vocab = model.c["vocab"]
 
@@ -165,17 +174,18 @@ def main() -> None:
                 for i in range(args.steps):
                     t = fwd(t, args.context - args.steps + i, cache).view(B, 1)
 
-            ms = time_ms(run_steps, warmup=2, reps=5) / args.steps
+            ms = time_ms(run_steps, warmup=2, reps=5, cuda=on_cuda) / args.steps
             print(f"decode_b{B}_step {ms:.4g} ms")
             print(f"decode_b{B}_tokens_per_s {B * 1000.0 / ms:.4g} tok/s", flush=True)
             del cache
-            torch.cuda.empty_cache()
+            if on_cuda:
+                torch.cuda.empty_cache()
 
         if args.prefill > 0:
             T = args.prefill
             cache = model.new_cache(1, T, dev)
             prompt = torch.randint(0, vocab, (1, T), device=dev)
-            ms = time_ms(lambda: fwd(prompt, 0, cache), warmup=2, reps=5)
+            ms = time_ms(lambda: fwd(prompt, 0, cache), warmup=2, reps=5, cuda=on_cuda)
             print(f"prefill_{T} {ms:.4g} ms")
             print(f"prefill_{T}_tokens_per_s {T * 1000.0 / ms:.4g} tok/s", flush=True)
 
