@@ -1,5 +1,7 @@
 #include "actors/engine_handle.hpp"
 
+#include <unistd.h>
+
 #include <atomic>
 #include <stdexcept>
 
@@ -122,8 +124,21 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   p->model = std::shared_ptr<const engine::model>(engine::model::load(o.model_path));
   const auto& hp = p->model->hparams();
   engine::kv_shape shape{hp.n_layers, hp.n_kv_heads, hp.head_dim, o.kv_block_size};
-  const int32_t n_dev = o.n_device_blocks > 0 ? o.n_device_blocks : (int32_t)std::max<int64_t>(1, o.max_kv_bytes / shape.block_bytes());
-  const int32_t n_host = o.n_host_blocks > 0 ? o.n_host_blocks : n_dev;
+  const int64_t dev_blocks = o.n_device_blocks > 0 ? o.n_device_blocks : std::max<int64_t>(1, o.max_kv_bytes / shape.block_bytes());
+  const int64_t host_pool = o.n_host_blocks > 0 ? o.n_host_blocks : dev_blocks;
+  // Host memory of the KV pools (both on the CPU; the swap pool alone, pinned, with a GPU): more
+  // than the machine has would only fail later, slowly (or be killed), so refuse it here.
+  const int64_t host_blocks = (o.cuda_device < 0 ? dev_blocks : 0) + host_pool;
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  if (pages > 0 && page > 0 && host_blocks > ((int64_t)pages * page) / shape.block_bytes()) {
+    const auto mib = [](int64_t b) { return std::to_string(b >> 20) + " MiB"; };
+    throw std::invalid_argument("the KV cache needs " + mib(host_blocks * shape.block_bytes()) + " of host memory (" +
+                                std::to_string(dev_blocks) + " blocks and " + std::to_string(host_pool) + " swap blocks of " +
+                                std::to_string(shape.block_bytes() >> 10) + " KiB); this machine has " +
+                                mib((int64_t)pages * page) + ": lower --kv-mb");
+  }
+  if (dev_blocks > INT32_MAX || host_pool > INT32_MAX) throw std::invalid_argument("the KV cache has more than 2^31 blocks: lower --kv-mb");
+  const auto n_dev = (int32_t)dev_blocks, n_host = (int32_t)host_pool;
   scheduler_config sc = o.sched;
   const int64_t pool_positions = (int64_t)n_dev * o.kv_block_size;
   const int64_t limit = std::min<int64_t>(hp.n_ctx_train, pool_positions);
@@ -133,10 +148,26 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   p->sys = std::make_unique<caf::actor_system>(p->cfg);
   scheduler_config_msg scm{sc, p->model, o.kv_block_size, n_dev, n_host, o.step_timeout_s};
   p->scheduler = spawn_scheduler(*p->sys, scm);
-  executor_config ec{p->model, o.n_threads, shape, n_dev, n_host, o.cuda_device, sc.max_batched_tokens, sc.max_num_seqs,
-                     sc.max_model_len};
+  executor_config ec{p->model,          o.n_threads,      shape,
+                     n_dev,             n_host,           o.cuda_device,
+                     sc.max_batched_tokens, sc.max_num_seqs, sc.max_model_len,
+                     o.fail_executor_start};
   p->supervisor = p->sys->spawn(supervisor_actor, p->scheduler, ec, o.max_restarts, o.restart_window_s);
-  return std::unique_ptr<engine_handle>(new engine_handle(std::move(p)));
+  auto h = std::unique_ptr<engine_handle>(new engine_handle(std::move(p)));  // stops the actors if we throw
+  {
+    caf::scoped_actor self{*h->impl_->sys};
+    const auto timeout = std::chrono::milliseconds((int64_t)(o.start_timeout_s * 1000));
+    std::string err;
+    self->request<caf::message_priority::high>(h->impl_->supervisor, timeout, ready_atom::value)
+        .receive([](bool) {},
+                 [&](caf::error& e) {
+                   err = e == caf::sec::request_timeout
+                             ? "the executor did not start within " + std::to_string(o.start_timeout_s) + " s"
+                             : exit_text(self->system(), e);
+                 });
+    if (!err.empty()) throw std::runtime_error(err);
+  }
+  return h;
 }
 
 engine_handle::engine_handle(std::unique_ptr<impl> p) : impl_(std::move(p)) {}

@@ -106,6 +106,8 @@ struct engine_options {
   double step_timeout_s = 120;   // an executor step longer than this counts as a failure
   int max_restarts = 3;          // executor restarts within restart_window_s before giving up
   double restart_window_s = 60;
+  double start_timeout_s = 600;  // longest wait for the executor to build its backend (weights, KV)
+  std::string fail_executor_start;  // tests: building the executor's backend throws this text
 };
 
 struct engine_stats {
@@ -125,8 +127,10 @@ struct engine_stats {
 
 class engine_handle {
  public:
-  /// Loads the model and spawns the actors. Throws (gguf_error, std::invalid_argument) on a bad
-  /// model or option.
+  /// Loads the model, spawns the actors and waits (start_timeout_s at most) until the executor
+  /// has built its backend. Throws gguf_error or std::invalid_argument on a bad model or option
+  /// (a KV cache larger than this machine's memory among them), std::runtime_error naming the
+  /// cause when the executor cannot start (out of device memory, a failed launch) or in time.
   static std::unique_ptr<engine_handle> start(const engine_options& opts);
   ~engine_handle();  // cancels what is left and stops every actor
 

@@ -121,6 +121,7 @@ class cuda_backend final : public backend {
 #endif
 
 std::unique_ptr<backend> make_backend(const executor_config& c) {
+  if (!c.fail_start.empty()) throw std::runtime_error(c.fail_start);
   if (c.cuda_device < 0) return std::make_unique<cpu_backend>(c);
 #ifdef TROUPE_HAVE_CUDA
   return std::make_unique<cuda_backend>(c);
@@ -145,10 +146,37 @@ uint64_t mix_seed(uint64_t seed, uint64_t index) {  // splitmix64 of the pair
   return z ^ (z >> 31);
 }
 
+caf::error exception_error(std::exception_ptr& x) {
+  try {
+    std::rethrow_exception(x);
+  } catch (const std::exception& e) {
+    return caf::make_error(caf::sec::runtime_error, std::string(e.what()));
+  } catch (...) {
+    return caf::make_error(caf::sec::runtime_error, std::string("unknown exception"));
+  }
+}
+
 }  // namespace
 
-caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg) {
-  auto st = std::make_shared<executor_state>(cfg);
+std::string exit_text(const caf::actor_system& sys, const caf::error& reason) {
+  const caf::message& ctx = reason.context();
+  if (reason.category() == caf::atom("system") && ctx.size() == 1 && ctx.match_element<std::string>(0))
+    return ctx.get_as<std::string>(0);
+  return sys.render(reason);
+}
+
+caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg, caf::actor supervisor) {
+  // A failed step (an exception) ends the actor with the exception's text as its exit reason.
+  self->set_exception_handler([](caf::scheduled_actor*, std::exception_ptr& x) { return exception_error(x); });
+  std::shared_ptr<executor_state> st;
+  try {
+    st = std::make_shared<executor_state>(cfg);
+  } catch (...) {
+    auto x = std::current_exception();
+    self->quit(exception_error(x));
+    return {};
+  }
+  self->send(supervisor, up_atom::value);
   return {
       [=](step_atom, step_work& w) -> step_output {
         const auto t0 = std::chrono::steady_clock::now();

@@ -9,7 +9,10 @@
 //   scheduler --failed(seq, gen_error, text)--> request     queue timeout, executor circuit open
 //   scheduler --step(step_work)-->              executor    replies step_output (or error: lost)
 //   supervisor --executor(actor)-->             scheduler   a fresh executor (start and restarts)
-//   supervisor --[h] circuit-->                 scheduler   too many restarts: fail everything
+//   executor --up-->                            supervisor  its backend is built (weights, KV pools)
+//   supervisor --[h] circuit(why)-->            scheduler   too many restarts: fail everything
+//   engine_handle --ready-->                    supervisor  replies true once an executor is up, or
+//                                                           the first executor's start error
 //   anyone   --[h] stats-->                     scheduler   replies engine_stats
 //   anyone   --[h] drain-->                     scheduler   refuse new work; replies true when empty
 //   client   --[h] priority(cls, p)-->          request --[h] priority(seq, cls, p)--> scheduler
@@ -20,6 +23,7 @@
 #include <caf/all.hpp>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "actors/engine_handle.hpp"
@@ -43,6 +47,8 @@ using fault_atom = caf::atom_constant<caf::atom("fault")>;
 using deadline_atom = caf::atom_constant<caf::atom("deadline")>;
 using drain_atom = caf::atom_constant<caf::atom("drain")>;
 using priority_atom = caf::atom_constant<caf::atom("priority")>;
+using up_atom = caf::atom_constant<caf::atom("up")>;
+using ready_atom = caf::atom_constant<caf::atom("ready")>;
 
 /// What a request actor submits: the scheduler's spec plus what the executor needs to sample.
 struct request_msg {
@@ -94,6 +100,7 @@ struct executor_config {
   // step, positions per sequence.
   int32_t max_batch_tokens = 256, max_seqs = 64;
   int64_t max_context = 8192;
+  std::string fail_start;  // tests: when not empty, building the backend throws this
 };
 
 /// Payload of the shared stats reply.
@@ -101,7 +108,12 @@ struct stats_reply {
   engine_stats s;
 };
 
-caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg);
+/// Builds its backend at start: on success tells `supervisor` up; on failure quits with an error
+/// carrying the exception's text (so do failed steps), which the supervisor reports.
+caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg, caf::actor supervisor);
+
+/// The text of an actor's exit reason: an exception's what() where the actor put it there.
+std::string exit_text(const caf::actor_system& sys, const caf::error& reason);
 
 struct scheduler_config_msg {
   scheduler_config sched;

@@ -23,6 +23,7 @@ struct scheduler_state {
   int32_t n_executors = 0;
   int n_in_flight = 0;  // steps sent and not answered (two when one was planned ahead)
   bool circuit_open = false, tick_pending = false, fault_next = false, draining = false;
+  std::string circuit_reason;  // "the model is unavailable: ..." once the circuit is open
   std::vector<caf::response_promise> drain_waiters;  // answered once nothing is left
   std::unordered_map<uint64_t, seq_entry> seqs;
   std::unordered_map<caf::actor_addr, uint64_t> by_addr;
@@ -210,7 +211,7 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
   return {
       [=](submit_atom, request_msg& m) -> admission {
         auto& s = self->state;
-        if (s.circuit_open) return {admit_error::unavailable, "the model is unavailable: its executor failed repeatedly"};
+        if (s.circuit_open) return {admit_error::unavailable, s.circuit_reason};
         if (s.draining) return {admit_error::unavailable, "the model is draining: no new requests are admitted"};
         const uint64_t id = m.spec.id;
         admission a = s.core->add(std::move(m.spec), s.now());
@@ -246,10 +247,11 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
         self->monitor(e);
         maybe_step(self);
       },
-      [=](circuit_atom) {
+      [=](circuit_atom, const std::string& why) {
         auto& s = self->state;
         s.circuit_open = true;
-        fail_all(self, gen_error::unavailable, "the model is unavailable: its executor failed repeatedly");
+        s.circuit_reason = "the model is unavailable: " + why;
+        fail_all(self, gen_error::unavailable, s.circuit_reason);
       },
       [=](fault_atom) { self->state.fault_next = true; },
       // Drain: refuse new work, finish what is admitted, answer true when nothing is left.

@@ -2,8 +2,15 @@
 // new one to the scheduler (which requeues the lost sequences for recompute). More than
 // max_restarts deaths within window_s open the circuit: the scheduler fails what it holds and
 // refuses new work, and readiness turns false.
+//
+// Start: the first executor that cannot build its backend (weights, KV pools: out of memory, no
+// such device) is not restarted — the same configuration would fail the same way. Its error
+// answers `ready` (engine_handle::start waits on it) and opens the circuit. Once an executor
+// has been up, a death is restarted as above, and the circuit's reason names the last error.
 #include <chrono>
 #include <deque>
+#include <string>
+#include <vector>
 
 #include "actors/runtime.hpp"
 
@@ -14,20 +21,41 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
   struct state {
     caf::actor executor;
     std::deque<std::chrono::steady_clock::time_point> deaths;
+    bool ever_up = false;
+    std::string start_error;  // the first executor's, when it never came up
+    std::vector<caf::response_promise> ready_waiters;
   };
   auto st = std::make_shared<state>();
   auto spawn_executor = [=] {
-    st->executor = self->spawn<caf::detached + caf::monitored>(executor_actor, cfg);
+    st->executor = self->spawn<caf::detached + caf::monitored>(executor_actor, cfg, caf::actor{self});
     self->send(scheduler, executor_atom::value, st->executor);
+  };
+  auto answer_waiters = [=] {
+    for (auto& rp : st->ready_waiters) {
+      if (st->ever_up)
+        rp.deliver(true);
+      else
+        rp.deliver(caf::make_error(caf::sec::runtime_error, st->start_error));
+    }
+    st->ready_waiters.clear();
   };
   self->set_down_handler([=](caf::down_msg& dm) {
     if (!st->executor || dm.source != st->executor.address()) return;
     st->executor = nullptr;
+    const std::string why = exit_text(self->system(), dm.reason);
+    if (!st->ever_up) {
+      st->start_error = "the executor could not start: " + why;
+      answer_waiters();
+      self->send<caf::message_priority::high>(scheduler, circuit_atom::value, st->start_error);
+      return;
+    }
     const auto now = std::chrono::steady_clock::now();
     st->deaths.push_back(now);
     while (!st->deaths.empty() && std::chrono::duration<double>(now - st->deaths.front()).count() > window_s) st->deaths.pop_front();
     if ((int)st->deaths.size() > max_restarts) {
-      self->send<caf::message_priority::high>(scheduler, circuit_atom::value);
+      self->send<caf::message_priority::high>(scheduler, circuit_atom::value,
+                                              "its executor failed " + std::to_string(st->deaths.size()) + " times in " +
+                                                  std::to_string((int)window_s) + " s (last: " + why + ")");
       return;
     }
     spawn_executor();
@@ -38,7 +66,16 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
   });
   spawn_executor();
   return {
-      [](tick_atom) {},  // no client mail: everything arrives as down and exit messages
+      [=](up_atom) {
+        st->ever_up = true;
+        answer_waiters();
+      },
+      [=](ready_atom) -> caf::result<bool> {
+        if (st->ever_up) return true;
+        if (!st->start_error.empty()) return caf::make_error(caf::sec::runtime_error, st->start_error);
+        st->ready_waiters.push_back(self->make_response_promise());
+        return st->ready_waiters.back();
+      },
   };
 }
 

@@ -318,6 +318,46 @@ TEST_CASE("drain refuses new work and waits for what is admitted", "[actors][mod
   require_no_leak(*eng);
 }
 
+TEST_CASE("an executor that cannot build its backend fails the start with its reason, at once", "[actors][model][fault]") {
+  auto o = options();
+  o.fail_executor_start = "out of device memory: the KV cache asks 80 GiB, 3 GiB are free";
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    actors::engine_handle::start(o);
+    FAIL("start succeeded");
+  } catch (const std::runtime_error& e) {
+    CHECK(std::string(e.what()) == "the executor could not start: " + o.fail_executor_start);
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < 20s);  // no restart loop, no timeout
+}
+
+TEST_CASE("a KV cache larger than the machine's memory is refused before anything is allocated", "[actors][model]") {
+  auto o = options();
+  o.n_device_blocks = 0;
+  o.max_kv_bytes = int64_t{1} << 50;  // 1 PiB
+  CHECK_THROWS_WITH(actors::engine_handle::start(o), Catch::Contains("of host memory") && Catch::Contains("lower --kv-mb"));
+}
+
+TEST_CASE("repeated executor faults open the circuit; refusals name the last error", "[actors][model][fault]") {
+  auto o = options();
+  o.max_restarts = 1;
+  auto eng = actors::engine_handle::start(o);
+  auto p = greedy(prompts[0], 400);
+  for (int i = 0; i < 2; ++i) {  // two deaths within the window: one more than max_restarts
+    auto s = eng->submit(p);
+    REQUIRE(s->next(30s));
+    eng->inject_executor_fault();
+    drain(*s);  // recomputed on the restarted executor, or failed once the circuit opens
+  }
+  const auto until = std::chrono::steady_clock::now() + 30s;
+  while (!eng->stats().circuit_open && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(10ms);
+  REQUIRE(eng->stats().circuit_open);
+  const auto o2 = drain(*eng->submit(greedy(prompts[1], 4)));
+  CHECK(o2.final.type == actors::stream_event::kind::error);
+  CHECK(o2.final.error == actors::gen_error::unavailable);
+  CHECK_THAT(o2.final.message, Catch::Contains("unavailable") && Catch::Contains("injected executor fault"));
+}
+
 TEST_CASE("an executor killed mid-batch is restarted and every output is unchanged", "[actors][model][fault]") {
   std::vector<actors::generation_params> ps;
   for (int i = 0; i < 8; ++i) ps.push_back(greedy(prompts[i], 16));

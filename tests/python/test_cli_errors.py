@@ -109,6 +109,15 @@ def test_serve_device_refused_at_start():
     assert last.startswith("troupe: error: ") and ("no CUDA device 0" in last or "no CUDA backend" in last), last
 
 
+def test_serve_kv_beyond_memory_refused_at_start():
+    """A KV cache larger than the machine's memory stops `serve` at once with one error line,
+    before anything is allocated (not a server whose executor dies allocating it)."""
+    r = run("serve", "--port", "0", "--kv-mb", "16000000")
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("troupe: error: the KV cache needs") and "lower --kv-mb" in last, last
+
+
 def test_good_run_after_errors():
     r = run("generate", "-p", "The capital of France is", "-n", "4", "--temperature", "0", "-q")
     assert r.returncode == 0, r.stderr
