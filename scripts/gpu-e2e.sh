@@ -3,7 +3,8 @@
 # its request, scheduler and executor actors, the executor on the CUDA device.
 #   1. `troupe bench --concurrency 16` in process, --device cuda, then --device cpu (same model,
 #      same machine): tokens/s and latencies as `name value unit` lines;
-#   2. a GPU server and a CPU server over HTTP, compared by scripts/gpu_e2e_client.py (greedy
+#   2. `--device cuda:7` refused at start with one line naming it;
+#   3. a GPU server and a CPU server over HTTP, compared by scripts/gpu_e2e_client.py (greedy
 #      prefixes, a seeded request sampled on the device twice, a logprobs request).
 #
 #   scripts/gpu-e2e.sh SERVE_DIR MODEL        (SERVE_DIR holds bin/troupe and lib/)
@@ -38,6 +39,11 @@ EOF
 }
 bench "$gpu"
 bench cpu
+
+# A device index the machine lacks: refused at start with one line naming it.
+bad=$(timeout 60 "$troupe" serve -m "$model" --device cuda:7 --port 0 2>&1 | tail -1)
+echo "# --device cuda:7: $bad"
+if [[ $gpu != cuda || $bad == *"no CUDA device 7"* ]]; then echo "check bad_device ok"; else echo "check bad_device FAIL"; rc=1; fi
 
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null; wait 2>/dev/null' EXIT
