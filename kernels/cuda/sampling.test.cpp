@@ -106,6 +106,24 @@ sample_row_params stochastic(float temperature, int top_k, float top_p, float mi
   return p;
 }
 
+struct draw_config {
+  float temperature;
+  int top_k;
+  float top_p, min_p;
+};
+
+/// The tokens drawn from `rows` copies of the row `one` (n logits), each row with config c, the
+/// seed and its own draw index.
+std::vector<int32_t> draw_rows(const std::vector<float>& one, int n, int rows, const draw_config& c, uint64_t seed) {
+  std::vector<float> logits;
+  std::vector<sample_row_params> params;
+  for (int r = 0; r < rows; ++r) {
+    logits.insert(logits.end(), one.begin(), one.end());
+    params.push_back(stochastic(c.temperature, c.top_k, c.top_p, c.min_p, seed, uint64_t(r)));
+  }
+  return run(logits, n, params).tokens;
+}
+
 /// Pearson chi-square of counts against probabilities, bins with an expectation below 5 merged.
 double chi_square(const std::map<int32_t, int>& counts, const std::map<int32_t, double>& probs, int n, int& df) {
   double chi = 0.0, small_e = 0.0;
@@ -197,12 +215,7 @@ TEST_CASE("sample_tokens draws only from the top-k / top-p / min-p survivors, re
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
   std::mt19937_64 g(seed);
-  struct config {
-    float temperature;
-    int top_k;
-    float top_p, min_p;
-  };
-  const config configs[] = {{1.0f, 0, 1.0f, 0.0f},   {1.0f, 0, 0.9f, 0.0f},    {0.7f, 40, 1.0f, 0.0f},
+  const draw_config configs[] = {{1.0f, 0, 1.0f, 0.0f},   {1.0f, 0, 0.9f, 0.0f},    {0.7f, 40, 1.0f, 0.0f},
                             {1.3f, 1000, 0.8f, 0.0f}, {1.0f, 0, 1.0f, 0.05f},   {0.8f, 50, 0.95f, 0.1f},
                             {2.0f, 0, 0.5f, 0.0f},    {1.0f, 20000, 0.999f, 0.0f}};
   const int rows = 24;
@@ -269,21 +282,10 @@ TEST_CASE("sample_tokens follows the softmax of the survivors at the temperature
   std::vector<float> one = random_floats(size_t(n), g, -12.0f, -6.0f);
   std::uniform_real_distribution<float> head(0.0f, 3.0f);
   for (int j = 0; j < 12; ++j) one[g() % n] = head(g);
-  struct config {
-    float temperature;
-    int top_k;
-    float top_p, min_p;
-  };
-  for (const config c : {config{0.8f, 8, 1.0f, 0.0f}, config{1.2f, 0, 0.7f, 0.0f}, config{1.0f, 0, 1.0f, 0.2f},
-                         config{1.5f, 10, 0.9f, 0.05f}}) {
+  for (const draw_config c : {draw_config{0.8f, 8, 1.0f, 0.0f}, draw_config{1.2f, 0, 0.7f, 0.0f},
+                              draw_config{1.0f, 0, 1.0f, 0.2f}, draw_config{1.5f, 10, 0.9f, 0.05f}}) {
     INFO("T " << c.temperature << " top_k " << c.top_k << " top_p " << c.top_p << " min_p " << c.min_p);
-    std::vector<float> logits;
-    std::vector<sample_row_params> params;
-    for (int r = 0; r < rows; ++r) {
-      logits.insert(logits.end(), one.begin(), one.end());
-      params.push_back(stochastic(c.temperature, c.top_k, c.top_p, c.min_p, seed, uint64_t(r)));
-    }
-    const auto got = run(logits, n, params).tokens;
+    const auto got = draw_rows(one, n, rows, c, seed);
     const auto kept = survivors(one.data(), n, c.top_k, c.top_p, c.min_p);
     std::map<int32_t, double> probs;
     double z = 0.0;
@@ -306,12 +308,7 @@ TEST_CASE("sample_tokens skips NaN and -inf logits, at the real vocabulary sizes
   INFO("seed " << seed);
   std::mt19937_64 g(seed);
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
-  struct config {
-    float temperature;
-    int top_k;
-    float top_p, min_p;
-  };
-  const config configs[] = {{0.0f, 0, 1.0f, 0.0f}, {1.0f, 0, 1.0f, 0.0f}, {1.0f, 0, 0.9f, 0.0f},
+  const draw_config configs[] = {{0.0f, 0, 1.0f, 0.0f}, {1.0f, 0, 1.0f, 0.0f}, {1.0f, 0, 0.9f, 0.0f},
                             {0.8f, 50, 0.95f, 0.0f}, {1.0f, 0, 1.0f, 0.1f}};
   for (const int n : {128256, 152064}) {
     // Token 0 and a few hundred others NaN, as many -inf: neither may ever be drawn.
@@ -321,13 +318,7 @@ TEST_CASE("sample_tokens skips NaN and -inf logits, at the real vocabulary sizes
     for (const auto& c : configs) {
       INFO("n " << n << " T " << c.temperature << " top_k " << c.top_k << " top_p " << c.top_p << " min_p " << c.min_p);
       const int rows = 8;
-      std::vector<float> logits;
-      std::vector<sample_row_params> params;
-      for (int r = 0; r < rows; ++r) {
-        logits.insert(logits.end(), one.begin(), one.end());
-        params.push_back(stochastic(c.temperature, c.top_k, c.top_p, c.min_p, seed, uint64_t(r)));
-      }
-      const auto got = run(logits, n, params).tokens;
+      const auto got = draw_rows(one, n, rows, c, seed);
       const auto kept = survivors(one.data(), n, c.top_k, c.top_p, c.min_p);
       std::vector<char> in_set(size_t(n), 0);
       for (int32_t t : kept) in_set[size_t(t)] = 1;
@@ -338,7 +329,7 @@ TEST_CASE("sample_tokens skips NaN and -inf logits, at the real vocabulary sizes
         REQUIRE(t < n);
         CHECK(std::isfinite(one[size_t(t)]));
         CHECK(in_set[size_t(t)]);
-        if (c.temperature == 0.0f) CHECK(t == cpu_token(one, params[size_t(r)], {}));
+        if (c.temperature == 0.0f) CHECK(t == cpu_token(one, stochastic(c.temperature, c.top_k, c.top_p, c.min_p, seed, uint64_t(r)), {}));
       }
     }
   }
