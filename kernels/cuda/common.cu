@@ -6,7 +6,12 @@
 namespace troupe::kernels::cuda {
 
 void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw cuda_error(std::string(what) + ": " + cudaGetErrorString(e));
+  if (e == cudaSuccess) return;
+  // The runtime also records a failed call's error as the thread's last error. A sticky one (a
+  // faulted context) stays whatever we do; a plain one (a bad device index, an invalid value)
+  // would otherwise be reported again by the next check_launch, for a good launch: clear it.
+  cudaGetLastError();
+  throw cuda_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
 void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
