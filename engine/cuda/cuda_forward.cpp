@@ -462,15 +462,24 @@ void cuda_forward::launch(const plan& p) {
     return;
   }
   const auto key = std::make_pair(p.n_tokens, p.max_kv_len);
-  if (auto it = graphs_.find(key); opt_.use_graphs && it != graphs_.end()) {
+  const bool graphs = opt_.use_graphs && graph_error_.empty();
+  if (auto it = graphs_.find(key); graphs && it != graphs_.end()) {
     kc::check(cudaGraphLaunch(it->second, s), "cudaGraphLaunch");
     return;
   }
   // First step of its kind runs eagerly (loading kernels, choosing GEMM algorithms), then is
-  // captured for the next ones.
+  // captured for the next ones. A capture that fails leaves this step's eager run valid: decode
+  // steps stay eager from then on, and graph_error() says why. (A sticky device error fails the
+  // next call anyway.)
   run_layers(p, s);
   output_rows(p, 0, p.n_tokens, s);
-  if (opt_.use_graphs) graphs_.emplace(key, capture(p, s));
+  if (graphs) {
+    try {
+      graphs_.emplace(key, capture(p, s));
+    } catch (const kc::cuda_error& e) {
+      graph_error_ = e.what();
+    }
+  }
 }
 
 void cuda_forward::finish_step(const char* what) {

@@ -120,6 +120,8 @@ class cuda_forward {
   size_t device_bytes() const;
   /// CUDA graphs captured so far.
   size_t n_graphs() const { return graphs_.size(); }
+  /// Why decode steps stopped using CUDA graphs (a capture failed), or empty.
+  const std::string& graph_error() const { return graph_error_; }
 
  private:
   struct synthetic_tag {};
@@ -168,6 +170,7 @@ class cuda_forward {
   bool logits_registered_ = false;
 
   std::map<std::pair<int, int>, cudaGraphExec_t> graphs_;  // (bucket, context bound) -> graph
+  std::string graph_error_;
 };
 
 }  // namespace troupe::engine::cuda

@@ -238,6 +238,8 @@ TEST_CASE("CUDA forward: decode steps replayed from CUDA graphs equal eager runs
     INFO("decode step " << step);
     REQUIRE(a == eager.forward(batch));
   }
+  INFO("graph_error: " << graph.graph_error());
+  CHECK(graph.graph_error().empty());
   CHECK(graph.n_graphs() >= 1);
   CHECK(eager.n_graphs() == 0);
 }

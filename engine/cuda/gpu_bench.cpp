@@ -176,6 +176,8 @@ void run(const args& a) {
     line(b + "_roofline_step", roofline * 1e3, "ms");
     line(b + "_time_over_roofline", t / roofline, "x");
   }
+  line("decode_graphs", (double)f->n_graphs(), "captured");
+  if (!f->graph_error().empty()) std::printf("# CUDA graphs off after a failed capture: %s\n", f->graph_error().c_str());
   {
     ec::cuda_options eo = o;
     eo.use_graphs = false;
