@@ -15,7 +15,10 @@ std::string mib(size_t bytes) { return std::to_string(bytes >> 20) + " MiB"; }
 void select_device(int device) {
   int n = 0;
   const cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess) throw kc::cuda_error(std::string("no usable CUDA device: ") + cudaGetErrorString(e));
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // as kc::check: a refused call must not be reported by the next check_launch
+    throw kc::cuda_error(std::string("no usable CUDA device: ") + cudaGetErrorString(e));
+  }
   if (device < 0 || device >= n)
     throw kc::cuda_error("CUDA device " + std::to_string(device) + " requested, " + std::to_string(n) + " present");
   kc::check(cudaSetDevice(device), "cudaSetDevice");
@@ -25,10 +28,10 @@ device_buffer::device_buffer(size_t bytes, const char* what) : n_(bytes) {
   if (bytes == 0) return;
   const cudaError_t e = cudaMalloc(&p_, bytes);
   if (e == cudaSuccess) return;
-  cudaGetLastError();  // not sticky: clear it so a later check_launch does not report it
   p_ = nullptr;
   size_t free_b = 0, total_b = 0;
   cudaMemGetInfo(&free_b, &total_b);
+  cudaGetLastError();  // not sticky: clear it (and any cudaMemGetInfo failure) so a later check_launch does not report it
   throw kc::cuda_error(std::string("out of device memory allocating ") + what + ": " + mib(bytes) + " asked, " + mib(free_b) +
                        " free of " + mib(total_b) + " (" + cudaGetErrorString(e) + ")");
 }
