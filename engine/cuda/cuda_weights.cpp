@@ -18,6 +18,7 @@ std::optional<kc::quant_type> gemv_type(dtype t) {
   switch (t) {
     case dtype::q8_0: return kc::quant_type::q8_0;
     case dtype::q4_0: return kc::quant_type::q4_0;
+    case dtype::q4_1: return kc::quant_type::q4_1;
     case dtype::q4_k: return kc::quant_type::q4_k;
     default: return std::nullopt;
   }

@@ -3,7 +3,7 @@
 // matrix and gate|up into one [2 d_ff, d] matrix, so each costs one GEMM.
 //
 // Every matrix has a bf16 copy for cuBLASLt, except raw-only ones (see weight_options). GGUF
-// types gemv_quant reads (q8_0, q4_0, q4_k) can also stay on the device as raw blocks, so small
+// types gemv_quant reads (q8_0, q4_0, q4_1, q4_k) can also stay on the device as raw blocks, so small
 // decode batches read 4-bit / 8-bit memory; other types are dequantized on the host
 // (kernels::dequantize_row) and uploaded as bf16. The output head is always bf16 (its GEMM writes
 // fp32 logits, which bf16 GEMV output would round too coarsely for greedy ties).
@@ -21,7 +21,7 @@ namespace troupe::engine::cuda {
 /// How the linear layers' weights are held.
 enum class weights_mode {
   bf16,                    // everything bf16, every GEMM through cuBLASLt
-  quant_gemv_small_batch,  // q8_0/q4_0/q4_k also raw; batches <= gemv_max_batch use gemv_quant
+  quant_gemv_small_batch,  // q8_0/q4_0/q4_1/q4_k also raw; batches <= gemv_max_batch use gemv_quant
 };
 
 /// Largest batch that gemv_quant serves (its contract); larger batches use cuBLASLt.

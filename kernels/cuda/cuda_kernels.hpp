@@ -135,7 +135,7 @@ void paged_attention(const bf16* q, const step_layout& st, const kv_cache_view& 
 // ---- weight-only quantized GEMV (decode from quantized memory) ----------------------------------
 
 /// GGUF quantized block types usable directly by gemv_quant (the raw GGUF block layout).
-enum class quant_type : int { q8_0 = 0, q4_0 = 1, q4_k = 2 };
+enum class quant_type : int { q8_0 = 0, q4_0 = 1, q4_k = 2, q4_1 = 3 };
 
 /// y[b, o] = sum_i W[o, i] * x[b, i] for b in [0, batch) (batch <= 8), W stored as GGUF blocks,
 /// row-major, `n_in` values per row (a multiple of the block size: 32, or 256 for q4_k). x bf16

@@ -2,7 +2,8 @@
 // read from HBM once per launch and used for all batch rows), and block expansion to bf16.
 //
 // Work is cut into "units" of 8 weights whose quantized bytes are contiguous: a quarter of a
-// q8_0 block, a quarter of a q4_0 block (4 bytes: weights j..j+3 low nibbles, j+16..j+19 high),
+// q8_0 block, a quarter of a q4_0 or q4_1 block (4 bytes: weights j..j+3 low nibbles, j+16..j+19
+// high),
 // and a 32nd of a q4_k super-block (4 bytes: 4 weights of sub-block 2p and 4 of 2p+1). Lane l of
 // a warp takes units l, l+32, ..., so a warp reads each row as one coalesced stream. One warp
 // computes one output row for every batch row, accumulating in fp32.
@@ -88,6 +89,29 @@ struct layout<quant_type::q4_0> {
     r.i0 = base + 4 * u, r.i1 = r.i0 + 16;
     r.scale[0] = r.scale[1] = d;
     r.offset[0] = r.offset[1] = 0.0f;
+    return r;
+  }
+};
+
+// q4_1: d, m (fp16), 16 bytes of nibbles as q4_0; w = d * q + m with q in [0, 15]. 20-byte
+// blocks: read as 16-bit words like q4_0.
+template <>
+struct layout<quant_type::q4_1> {
+  static constexpr int block_values = 32, block_bytes = 20, units_per_block = 4;
+  __device__ static unit decode(const uint8_t* blk, int u, int64_t base) {
+    unit r;
+    const float d = half_at(blk), m = half_at(blk + 2);
+    const uint8_t* qs = blk + 4 + 4 * u;
+    const uint32_t b = uint32_t(*reinterpret_cast<const uint16_t*>(qs)) |
+                       uint32_t(*reinterpret_cast<const uint16_t*>(qs + 2)) << 16;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      r.q[k] = float((b >> (8 * k)) & 0x0f);
+      r.q[4 + k] = float((b >> (8 * k + 4)) & 0x0f);
+    }
+    r.i0 = base + 4 * u, r.i1 = r.i0 + 16;
+    r.scale[0] = r.scale[1] = d;
+    r.offset[0] = r.offset[1] = m;
     return r;
   }
 };
@@ -231,6 +255,7 @@ void gemv_quant(quant_type t, const void* w, int64_t n_out, int64_t n_in, const 
     case quant_type::q8_0: gemv_typed<quant_type::q8_0>(w, n_out, n_in, x, y, batch, stream); break;
     case quant_type::q4_0: gemv_typed<quant_type::q4_0>(w, n_out, n_in, x, y, batch, stream); break;
     case quant_type::q4_k: gemv_typed<quant_type::q4_k>(w, n_out, n_in, x, y, batch, stream); break;
+    case quant_type::q4_1: gemv_typed<quant_type::q4_1>(w, n_out, n_in, x, y, batch, stream); break;
   }
   check_launch("gemv_quant");
 }
@@ -247,6 +272,7 @@ void dequant_to_bf16(quant_type t, const void* w, int64_t n, bf16* out, cudaStre
     case quant_type::q8_0: dequant_kernel<quant_type::q8_0><<<blocks, dequant_threads, 0, stream>>>(src, n_units, out); break;
     case quant_type::q4_0: dequant_kernel<quant_type::q4_0><<<blocks, dequant_threads, 0, stream>>>(src, n_units, out); break;
     case quant_type::q4_k: dequant_kernel<quant_type::q4_k><<<blocks, dequant_threads, 0, stream>>>(src, n_units, out); break;
+    case quant_type::q4_1: dequant_kernel<quant_type::q4_1><<<blocks, dequant_threads, 0, stream>>>(src, n_units, out); break;
   }
   check_launch("dequant_to_bf16");
 }

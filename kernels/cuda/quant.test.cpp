@@ -27,6 +27,7 @@ struct type_info {
 const type_info types[] = {
     {quant_type::q8_0, cpu::dtype::q8_0, 32, int(sizeof(cpu::block_q8_0))},
     {quant_type::q4_0, cpu::dtype::q4_0, 32, int(sizeof(cpu::block_q4_0))},
+    {quant_type::q4_1, cpu::dtype::q4_1, 32, int(sizeof(cpu::block_q4_1))},  // the default model's type
     {quant_type::q4_k, cpu::dtype::q4_k, 256, int(sizeof(cpu::block_q4_k))},
 };
 
@@ -38,7 +39,7 @@ std::vector<uint8_t> random_blocks(const type_info& ti, int64_t n_blocks, std::m
   std::uniform_real_distribution<float> scale(0.001f, 0.02f);
   for (int64_t b = 0; b < n_blocks; ++b) {
     uint8_t* blk = &raw[size_t(b * ti.block_bytes)];
-    const int n_scales = ti.t == quant_type::q4_k ? 2 : 1;  // q4_k: d and dmin
+    const int n_scales = ti.t == quant_type::q4_k || ti.t == quant_type::q4_1 ? 2 : 1;  // q4_k: d, dmin; q4_1: d, m
     for (int s = 0; s < n_scales; ++s) {
       const uint16_t h = cpu::f32_to_fp16((g() & 1) ? scale(g) : -scale(g));
       std::memcpy(blk + 2 * s, &h, 2);
