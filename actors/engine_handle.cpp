@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <sstream>
 #include <stdexcept>
 
 #include "actors/runtime.hpp"
@@ -148,10 +149,8 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   p->sys = std::make_unique<caf::actor_system>(p->cfg);
   scheduler_config_msg scm{sc, p->model, o.kv_block_size, n_dev, n_host, o.step_timeout_s};
   p->scheduler = spawn_scheduler(*p->sys, scm);
-  executor_config ec{p->model,          o.n_threads,      shape,
-                     n_dev,             n_host,           o.cuda_device,
-                     sc.max_batched_tokens, sc.max_num_seqs, sc.max_model_len,
-                     o.fail_executor_start};
+  executor_config ec{p->model, o.n_threads, shape, n_dev, n_host, o.cuda_device,
+                     sc.max_batched_tokens, sc.max_num_seqs, sc.max_model_len, o.fail_executor_start};
   p->supervisor = p->sys->spawn(supervisor_actor, p->scheduler, ec, o.max_restarts, o.restart_window_s);
   auto h = std::unique_ptr<engine_handle>(new engine_handle(std::move(p)));  // stops the actors if we throw
   {
@@ -162,7 +161,7 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
         .receive([](bool) {},
                  [&](caf::error& e) {
                    err = e == caf::sec::request_timeout
-                             ? "the executor did not start within " + std::to_string(o.start_timeout_s) + " s"
+                             ? (std::ostringstream{} << "the executor did not start within " << o.start_timeout_s << " s").str()
                              : exit_text(self->system(), e);
                  });
     if (!err.empty()) throw std::runtime_error(err);
