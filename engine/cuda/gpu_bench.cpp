@@ -10,6 +10,8 @@
 //   ends at --context, one token per sequence per step through forward_sample (greedy, on the
 //   device), host wall time per step (graph replay; b1 also eager). roofline: weight bytes plus
 //   KV bytes read per step, over the measured copy bandwidth (read + write counted once each).
+//   decode_b*_gemm_only_step: the step's weight GEMMs alone (cuBLASLt, weights not in L2), and
+//   their share of the step: the rest is attention, norms, RoPE, sampling and launch gaps.
 // - prefill_2048: one 2048-token chunk, best of 3; FLOPs = 2 * layer params * tokens + 2 * head
 //   params (one logits row) + causal attention 4 * n_heads * head_dim * T(T+1)/2 per layer.
 #include <algorithm>
@@ -70,6 +72,38 @@ double gemm_rate(ec::gemm_runner& g, cudaStream_t s, int m, int n, int k) {
   ec::fill_uniform_bf16(w.as<ec::bf16>(), (int64_t)n * k, 0.02f, 2, s);
   const double t = time_on_stream(s, 3, 20, [&] { g.run(x.as<ec::bf16>(), w.as<ec::bf16>(), y.as<void>(), ec::gemm_out::bf16, m, n, k, s); });
   return 2.0 * m * n * k / t;
+}
+
+// Seconds of a decode step's weight GEMMs alone at `batch` rows: every layer's four matrices
+// and the output head (fp32 logits). Each shape has enough weight copies, used in turn, that the
+// L2 (60 MB) never holds the next one, as in the model, where every layer reads fresh weights.
+// With the step time this splits a decode step into GEMMs and the rest (attention, norms, RoPE,
+// sampling, launch gaps).
+double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams& hp, int batch) {
+  const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim;
+  const int64_t qkv = qd + 2 * (int64_t)hp.n_kv_heads * hp.head_dim;
+  const int64_t shapes[5][2] = {{qkv, d}, {d, qd}, {2 * (int64_t)hp.d_ff, d}, {d, hp.d_ff}, {hp.n_vocab, d}};
+  const int64_t max_k = std::max<int64_t>(d, hp.d_ff), max_n = std::max<int64_t>(hp.n_vocab, 2 * (int64_t)hp.d_ff);
+  ec::device_buffer x((size_t)(batch * max_k * 2), "decode GEMM x"), y((size_t)(batch * max_n * 4), "decode GEMM y");
+  ec::fill_uniform_bf16(x.as<ec::bf16>(), batch * max_k, 1.0f, 5, s);
+  double total = 0.0;
+  for (int i = 0; i < 5; ++i) {
+    const int n = (int)shapes[i][0], k = (int)shapes[i][1];
+    const size_t bytes = (size_t)n * k * 2;
+    const int copies = std::max(2, (int)((size_t{256} << 20) / bytes) + 1);
+    std::vector<ec::device_buffer> w;
+    for (int c = 0; c < copies; ++c) {
+      w.emplace_back(bytes, "decode GEMM weights");
+      ec::fill_uniform_bf16(w.back().as<ec::bf16>(), (int64_t)n * k, 0.02f, 10 + c, s);
+    }
+    int next = 0;
+    const ec::gemm_out out = i == 4 ? ec::gemm_out::f32 : ec::gemm_out::bf16;
+    const double t = time_on_stream(s, copies, 4 * copies, [&] {
+      g.run(x.as<ec::bf16>(), w[(size_t)(next++ % copies)].as<ec::bf16>(), y.as<void>(), out, batch, n, k, s);
+    });
+    total += (i == 4 ? 1 : hp.n_layers) * t;
+  }
+  return total;
 }
 
 struct args {
@@ -165,9 +199,13 @@ void run(const args& a) {
   line("weight_bytes", weight_bytes / 1e9, "GB");
   const double kv_bytes_per_pos = (double)f->kv().block_bytes() / bs;
 
+  ec::gemm_runner decode_gemms;
   for (int batch : {1, 64, 256}) {
     const std::string b = "decode_b" + std::to_string(batch);
     const double t = decode_step_time(*f, batch, a);
+    const double t_gemm = decode_gemm_time(decode_gemms, s, hp, batch);
+    line(b + "_gemm_only_step", t_gemm * 1e3, "ms");
+    line(b + "_gemm_share", t_gemm / t, "x");
     // Average context over the timed steps is about a.context - steps / 2.
     const double kv_read = (double)batch * (a.context - a.steps / 2.0) * kv_bytes_per_pos;
     const double roofline = (weight_bytes + kv_read) / bw;
