@@ -24,6 +24,12 @@ std::optional<kc::quant_type> gemv_type(dtype t) {
   }
 }
 
+// Bounded wait for everything enqueued on `stream` (a hung device throws, never hangs).
+void wait_for(cudaStream_t stream, std::chrono::milliseconds timeout, const char* what) {
+  event_handle ev;
+  sync_stream(stream, ev.get(), timeout, what);
+}
+
 size_t raw_bytes(const kernels::weight_view& w) { return w.row_stride * (size_t)w.n_out; }
 
 // Bytes a batch-1 step reads beside the matrices: its one embedding row (bf16), the norm weights
@@ -92,7 +98,7 @@ dev_matrix device_weights::upload_fused(std::initializer_list<const kernels::wei
       kc::dequant_to_bf16(*qt, raw, n, w, stream);
       m.w = w;
       // The temporary raw copy must outlive the expansion.
-      if (!keep_raw) kc::check(cudaStreamSynchronize(stream), what);
+      if (!keep_raw) wait_for(stream, o.sync_timeout, what);
     } else {
       max_raw_only_elems_ = std::max(max_raw_only_elems_, n);
     }
@@ -154,7 +160,7 @@ device_weights::device_weights(const model& mdl, const weight_options& o, cudaSt
   }
   count_decode_bytes(output_);
   decode_bytes_ += small_bytes_per_token(hp_, !layers_.empty() && layers_[0].bq != nullptr);
-  kc::check(cudaStreamSynchronize(stream), "uploading the weights");
+  wait_for(stream, o.sync_timeout, "uploading the weights");
 }
 
 dev_matrix device_weights::random_matrix(int64_t n_out, int64_t n_in, float stddev, uint64_t seed, cudaStream_t stream,
@@ -200,7 +206,7 @@ device_weights::device_weights(const model_hparams& hp, uint64_t seed, cudaStrea
   }
   count_decode_bytes(output_);
   decode_bytes_ += small_bytes_per_token(hp_, hp.arch == "qwen2");
-  kc::check(cudaStreamSynchronize(stream), "generating the weights");
+  wait_for(stream, weight_options{}.sync_timeout, "generating the weights");
 }
 
 model_hparams synthetic_hparams(const std::string& arch) {

@@ -9,6 +9,7 @@
 // fp32 logits, which bf16 GEMV output would round too coarsely for greedy ties).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -32,6 +33,8 @@ struct weight_options {
   /// With quant_gemv_small_batch: also keep a bf16 copy of raw matrices (memory for speed). When
   /// false, batches above gemv_max_batch expand the raw blocks into a scratch matrix per GEMM.
   bool expand_quant = true;
+  /// Longest wait for the device to finish an upload or an expansion before cuda_error.
+  std::chrono::milliseconds sync_timeout{600000};
 };
 
 /// One linear layer, W row-major [n_out, n_in].
