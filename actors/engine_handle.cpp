@@ -150,7 +150,8 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   scheduler_config_msg scm{sc, p->model, o.kv_block_size, n_dev, n_host, o.step_timeout_s};
   p->scheduler = spawn_scheduler(*p->sys, scm);
   executor_config ec{p->model, o.n_threads, shape, n_dev, n_host, o.cuda_device,
-                     sc.max_batched_tokens, sc.max_num_seqs, sc.max_model_len, o.fail_executor_start};
+                     sc.max_batched_tokens, sc.max_num_seqs, sc.max_model_len, o.fail_executor_start,
+                     o.emulate_device_sampling};
   p->supervisor = p->sys->spawn(supervisor_actor, p->scheduler, ec, o.max_restarts, o.restart_window_s);
   auto h = std::unique_ptr<engine_handle>(new engine_handle(std::move(p)));  // stops the actors if we throw
   {

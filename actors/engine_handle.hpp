@@ -108,6 +108,9 @@ struct engine_options {
   double restart_window_s = 60;
   double start_timeout_s = 600;  // longest wait for the executor to build its backend (weights, KV)
   std::string fail_executor_start;  // tests: building the executor's backend throws this text
+  // Tests: the CPU executor takes the path of a device that samples (rows, seeds and penalty
+  // windows handed to the backend, tokens back), sampling with the host sampler.
+  bool emulate_device_sampling = false;
 };
 
 struct engine_stats {

@@ -6,6 +6,7 @@
 // not the same token (kernels/cuda/sampling.cu says why).
 // Spawned detached, so a step's compute runs on the executor's own thread, never on CAF's
 // scheduler threads. One step per message.
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -21,6 +22,13 @@
 namespace troupe::actors {
 
 namespace {
+
+uint64_t mix_seed(uint64_t seed, uint64_t index) {  // splitmix64 of the pair
+  uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (index + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
 
 // One logits row to sample on the device: its parameters, draw seed and penalty window.
 struct device_sample_row {
@@ -48,7 +56,7 @@ class backend {
 class cpu_backend final : public backend {
  public:
   explicit cpu_backend(const executor_config& c)
-      : pool_(c.n_threads), device_(c.kv, c.n_device_blocks), host_(c.kv, c.n_host_blocks > 0 ? c.n_host_blocks : 1),
+      : emulate_device_sampling_(c.emulate_device_sampling), n_vocab_((size_t)c.model->hparams().n_vocab), pool_(c.n_threads), device_(c.kv, c.n_device_blocks), host_(c.kv, c.n_host_blocks > 0 ? c.n_host_blocks : 1),
         fwd_(*c.model, device_, pool_), bytes_((size_t)c.kv.block_bytes()) {}
 
   void copy_blocks(const std::vector<engine::block_copy>& copies) override {
@@ -63,7 +71,28 @@ class cpu_backend final : public backend {
   }
   const std::vector<float>& forward(std::span<const engine::seq_chunk> batch) override { return fwd_.forward(batch); }
 
+  // Tests (emulate_device_sampling): the device path's contract, sampled by the host sampler with
+  // the seed the host path would use, so both paths give the same tokens.
+  bool samples_on_device(size_t, size_t) const override { return emulate_device_sampling_; }
+  std::vector<engine::token_id> forward_sample(std::span<const engine::seq_chunk> batch,
+                                               std::span<const device_sample_row> rows) override {
+    const std::vector<float>& logits = fwd_.forward(batch);
+    if (logits.size() != rows.size() * n_vocab_) throw std::logic_error("executor: logits rows and sampling rows disagree");
+    std::vector<engine::token_id> tokens;
+    std::vector<float> row(n_vocab_);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      std::copy_n(logits.begin() + (ptrdiff_t)(i * n_vocab_), n_vocab_, row.begin());
+      engine::sampling_params p = *rows[i].params;
+      p.seed = mix_seed(rows[i].seed, rows[i].draw);
+      p.has_seed = true;
+      tokens.push_back(engine::sampler(p).sample(row, rows[i].penalty_window).token);
+    }
+    return tokens;
+  }
+
  private:
+  bool emulate_device_sampling_;
+  size_t n_vocab_;
   kernels::thread_pool pool_;
   engine::kv_storage device_, host_;
   engine::cpu_forward fwd_;
@@ -138,13 +167,6 @@ struct executor_state {
   // The tokens sampled by the last step, for decodes planned ahead (scheduler_core::ahead_token).
   std::unordered_map<uint64_t, engine::token_id> last_sampled;
 };
-
-uint64_t mix_seed(uint64_t seed, uint64_t index) {  // splitmix64 of the pair
-  uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (index + 1);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
 
 caf::error exception_error(std::exception_ptr& x) {
   try {

@@ -101,6 +101,7 @@ struct executor_config {
   int32_t max_batch_tokens = 256, max_seqs = 64;
   int64_t max_context = 8192;
   std::string fail_start;  // tests: when not empty, building the backend throws this
+  bool emulate_device_sampling = false;  // tests: the CPU backend takes the device-sampling path
 };
 
 /// Payload of the shared stats reply.

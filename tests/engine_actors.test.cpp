@@ -170,8 +170,10 @@ TEST_CASE("seeded sampling gives the same tokens with and without preemption or 
   int64_t n_ahead = 0, n_admitted_ahead = 0;
   // staggered: half the requests arrive once the first is decoding, so they join steps planned
   // ahead (their first draw is their own, not the one after the step in flight).
-  auto run = [&](int32_t n_blocks, actors::preemption_mode mode, bool plan_ahead = true, bool staggered = false) {
+  auto run = [&](int32_t n_blocks, actors::preemption_mode mode, bool plan_ahead = true, bool staggered = false,
+                 bool device_path = false) {
     auto o = options();
+    o.emulate_device_sampling = device_path;
     o.n_device_blocks = n_blocks;
     o.sched.preemption = mode;
     o.sched.plan_ahead = plan_ahead;
@@ -213,6 +215,15 @@ TEST_CASE("seeded sampling gives the same tokens with and without preemption or 
     CHECK(n > 0);
     CHECK(tight == roomy);
   }
+  // The executor's path for a device that samples (rows, draw seeds, penalty windows with the
+  // token fed to an ahead decode, tokens back) gives the same tokens as the host path.
+  const auto [dev_staggered, n3] = run(256, actors::preemption_mode::swap, true, true, true);
+  CHECK(n_admitted_ahead > 0);
+  CHECK(dev_staggered == roomy);
+  const auto [dev_tight, n4] = run(9, actors::preemption_mode::swap, true, false, true);
+  CHECK(n4 > 0);
+  CHECK(n_ahead > 10);
+  CHECK(dev_tight == roomy);
 }
 
 TEST_CASE("cancel mid-stream frees every block", "[actors][model]") {
