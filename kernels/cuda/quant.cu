@@ -72,47 +72,36 @@ struct layout<quant_type::q8_0> {
   }
 };
 
+// The 32-weight nibble blocks (q4_0, q4_1): unit u is bytes 4u..4u+3 of the nibbles at qs,
+// weights 4u.. (low nibbles) and 4u+16.. (high); w = d * (nibble + q_shift) + m.
+__device__ __forceinline__ unit decode_nibbles32(const uint8_t* qs, int u, int64_t base, float d, float q_shift, float m) {
+  unit r;
+  const uint8_t* p = qs + 4 * u;  // 2-byte aligned only: 18- and 20-byte blocks
+  const uint32_t b = uint32_t(*reinterpret_cast<const uint16_t*>(p)) | uint32_t(*reinterpret_cast<const uint16_t*>(p + 2)) << 16;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    r.q[k] = float((b >> (8 * k)) & 0x0f) + q_shift;
+    r.q[4 + k] = float((b >> (8 * k + 4)) & 0x0f) + q_shift;
+  }
+  r.i0 = base + 4 * u, r.i1 = r.i0 + 16;
+  r.scale[0] = r.scale[1] = d;
+  r.offset[0] = r.offset[1] = m;
+  return r;
+}
+
 template <>
-struct layout<quant_type::q4_0> {
+struct layout<quant_type::q4_0> {  // d (fp16), 16 bytes of nibbles; w = d * (q - 8)
   static constexpr int block_values = 32, block_bytes = 18, units_per_block = 4;
   __device__ static unit decode(const uint8_t* blk, int u, int64_t base) {
-    unit r;
-    const float d = half_at(blk);
-    const uint8_t* qs = blk + 2 + 4 * u;
-    const uint32_t b = uint32_t(*reinterpret_cast<const uint16_t*>(qs)) |
-                       uint32_t(*reinterpret_cast<const uint16_t*>(qs + 2)) << 16;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      r.q[k] = float(int((b >> (8 * k)) & 0x0f) - 8);
-      r.q[4 + k] = float(int((b >> (8 * k + 4)) & 0x0f) - 8);
-    }
-    r.i0 = base + 4 * u, r.i1 = r.i0 + 16;
-    r.scale[0] = r.scale[1] = d;
-    r.offset[0] = r.offset[1] = 0.0f;
-    return r;
+    return decode_nibbles32(blk + 2, u, base, half_at(blk), -8.0f, 0.0f);
   }
 };
 
-// q4_1: d, m (fp16), 16 bytes of nibbles as q4_0; w = d * q + m with q in [0, 15]. 20-byte
-// blocks: read as 16-bit words like q4_0.
 template <>
-struct layout<quant_type::q4_1> {
+struct layout<quant_type::q4_1> {  // d, m (fp16), 16 bytes of nibbles; w = d * q + m
   static constexpr int block_values = 32, block_bytes = 20, units_per_block = 4;
   __device__ static unit decode(const uint8_t* blk, int u, int64_t base) {
-    unit r;
-    const float d = half_at(blk), m = half_at(blk + 2);
-    const uint8_t* qs = blk + 4 + 4 * u;
-    const uint32_t b = uint32_t(*reinterpret_cast<const uint16_t*>(qs)) |
-                       uint32_t(*reinterpret_cast<const uint16_t*>(qs + 2)) << 16;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      r.q[k] = float((b >> (8 * k)) & 0x0f);
-      r.q[4 + k] = float((b >> (8 * k + 4)) & 0x0f);
-    }
-    r.i0 = base + 4 * u, r.i1 = r.i0 + 16;
-    r.scale[0] = r.scale[1] = d;
-    r.offset[0] = r.offset[1] = m;
-    return r;
+    return decode_nibbles32(blk + 4, u, base, half_at(blk), 0.0f, half_at(blk + 2));
   }
 };
 
