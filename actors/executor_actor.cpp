@@ -56,8 +56,13 @@ class backend {
 class cpu_backend final : public backend {
  public:
   explicit cpu_backend(const executor_config& c)
-      : emulate_device_sampling_(c.emulate_device_sampling), n_vocab_((size_t)c.model->hparams().n_vocab), pool_(c.n_threads), device_(c.kv, c.n_device_blocks), host_(c.kv, c.n_host_blocks > 0 ? c.n_host_blocks : 1),
-        fwd_(*c.model, device_, pool_), bytes_((size_t)c.kv.block_bytes()) {}
+      : emulate_device_sampling_(c.emulate_device_sampling),
+        n_vocab_((size_t)c.model->hparams().n_vocab),
+        pool_(c.n_threads),
+        device_(c.kv, c.n_device_blocks),
+        host_(c.kv, c.n_host_blocks > 0 ? c.n_host_blocks : 1),
+        fwd_(*c.model, device_, pool_),
+        bytes_((size_t)c.kv.block_bytes()) {}
 
   void copy_blocks(const std::vector<engine::block_copy>& copies) override {
     for (const auto& c : copies) {
