@@ -30,6 +30,15 @@ uint64_t mix_seed(uint64_t seed, uint64_t index) {  // splitmix64 of the pair
   return z ^ (z >> 31);
 }
 
+// The host sampler on one logits row (scratch: the penalties modify it), seeded for its draw.
+engine::sample_result sample_on_host(std::span<float> row, const engine::sampling_params& params, uint64_t seed, uint64_t draw,
+                                     std::span<const engine::token_id> history) {
+  engine::sampling_params p = params;
+  p.seed = mix_seed(seed, draw);
+  p.has_seed = true;
+  return engine::sampler(p).sample(row, history);
+}
+
 // One logits row to sample on the device: its parameters, draw seed and penalty window.
 struct device_sample_row {
   const engine::sampling_params* params = nullptr;
@@ -44,8 +53,8 @@ class backend {
   virtual ~backend() = default;
   virtual void copy_blocks(const std::vector<engine::block_copy>& copies) = 0;
   virtual const std::vector<float>& forward(std::span<const engine::seq_chunk> batch) = 0;
-  /// Whether forward_sample takes `rows` logits rows with `history_tokens` penalty tokens in all.
-  virtual bool samples_on_device(size_t /*rows*/, size_t /*history_tokens*/) const { return false; }
+  /// Whether forward_sample takes `rows` logits rows with `window_tokens` penalty tokens in all.
+  virtual bool samples_on_device(size_t /*rows*/, size_t /*window_tokens*/) const { return false; }
   virtual std::vector<engine::token_id> forward_sample(std::span<const engine::seq_chunk>,
                                                        std::span<const device_sample_row>) {
     throw std::logic_error("executor: this backend samples on the host");
@@ -87,10 +96,7 @@ class cpu_backend final : public backend {
     std::vector<float> row(n_vocab_);
     for (size_t i = 0; i < rows.size(); ++i) {
       std::copy_n(logits.begin() + (ptrdiff_t)(i * n_vocab_), n_vocab_, row.begin());
-      engine::sampling_params p = *rows[i].params;
-      p.seed = mix_seed(rows[i].seed, rows[i].draw);
-      p.has_seed = true;
-      tokens.push_back(engine::sampler(p).sample(row, rows[i].penalty_window).token);
+      tokens.push_back(sample_on_host(row, *rows[i].params, rows[i].seed, rows[i].draw, rows[i].penalty_window).token);
     }
     return tokens;
   }
@@ -114,8 +120,8 @@ class cuda_backend final : public backend {
   void copy_blocks(const std::vector<engine::block_copy>& copies) override { fwd_.copy_blocks(copies); }
   const std::vector<float>& forward(std::span<const engine::seq_chunk> batch) override { return fwd_.forward(batch); }
 
-  bool samples_on_device(size_t rows, size_t history_tokens) const override {
-    return rows <= (size_t)opt_.max_logit_rows && history_tokens <= (size_t)opt_.max_history_tokens;
+  bool samples_on_device(size_t rows, size_t window_tokens) const override {
+    return rows <= (size_t)opt_.max_logit_rows && window_tokens <= (size_t)opt_.max_history_tokens;
   }
   std::vector<engine::token_id> forward_sample(std::span<const engine::seq_chunk> batch,
                                                std::span<const device_sample_row> rows) override {
@@ -223,52 +229,45 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg, 
         st->chunks.clear();
         for (const auto& e : w.batch) st->chunks.push_back({e.tokens, e.pos0, e.block_table, false, !e.need_logits});
         if (w.inject_fault) throw std::runtime_error("injected executor fault");
-        // A row's penalty history: the sequence so far, plus the token fed to a decode planned
+        // One sampling spec per entry with logits, in batch order.
+        size_t n_rows = 0;
+        for (const auto& e : w.batch)
+          if (e.need_logits && (n_rows >= w.sampling.size() || w.sampling[n_rows++].seq != e.seq))
+            throw std::logic_error("executor: sampling specs out of order");
+        if (n_rows != w.sampling.size()) throw std::logic_error("executor: sampling specs out of order");
+        // Each row's penalty history: the sequence so far, plus the token fed to a decode planned
         // ahead (the scheduler has not seen it yet).
-        std::vector<std::vector<engine::token_id>> fed_histories;
-        const auto history_of = [&](const sample_spec& sp) -> std::span<const engine::token_id> {
-          auto f = fed.find(sp.seq);
-          if (f == fed.end() || sp.history.empty()) return sp.history;
-          fed_histories.push_back(sp.history);  // a move of the outer vector keeps the inner buffers
-          fed_histories.back().push_back(f->second);
-          return fed_histories.back();
-        };
-        const auto spec_of = [&](size_t si, const batch_entry& e) -> const sample_spec& {
-          const sample_spec& sp = w.sampling.at(si);
-          if (sp.seq != e.seq) throw std::logic_error("executor: sampling specs out of order");
-          return sp;
-        };
+        std::vector<std::vector<engine::token_id>> fed_histories(n_rows);
+        std::vector<std::span<const engine::token_id>> histories(n_rows);
         bool logprobs = false;
-        size_t history_tokens = 0;
-        for (const auto& sp : w.sampling) {
+        size_t window_tokens = 0;
+        for (size_t i = 0; i < n_rows; ++i) {
+          const sample_spec& sp = w.sampling[i];
+          histories[i] = sp.history;
+          if (auto f = fed.find(sp.seq); f != fed.end() && !sp.history.empty()) {
+            fed_histories[i] = sp.history;
+            fed_histories[i].push_back(f->second);
+            histories[i] = fed_histories[i];
+          }
           logprobs = logprobs || sp.params->logprobs || sp.params->top_logprobs > 0;
-          history_tokens += sp.history.size() + 1;
+          window_tokens += engine::penalty_window(*sp.params, histories[i]).size();
         }
-        if (!logprobs && st->dev->samples_on_device(w.sampling.size(), history_tokens)) {
+        if (!logprobs && st->dev->samples_on_device(n_rows, window_tokens)) {
           std::vector<device_sample_row> rows;
-          size_t si = 0;
-          for (const auto& e : w.batch) {
-            if (!e.need_logits) continue;
-            const sample_spec& sp = spec_of(si++, e);
-            rows.push_back({sp.params.get(), sp.params->seed, sp.draw_index, engine::penalty_window(*sp.params, history_of(sp))});
+          for (size_t i = 0; i < n_rows; ++i) {
+            const sample_spec& sp = w.sampling[i];
+            rows.push_back({sp.params.get(), sp.params->seed, sp.draw_index, engine::penalty_window(*sp.params, histories[i])});
           }
           const std::vector<engine::token_id> tokens = st->dev->forward_sample(st->chunks, rows);
-          for (size_t i = 0; i < tokens.size(); ++i) out.tokens.push_back({w.sampling.at(i).seq, engine::sample_result{tokens[i], 0.0f, {}}});
+          for (size_t i = 0; i < tokens.size(); ++i) out.tokens.push_back({w.sampling[i].seq, engine::sample_result{tokens[i], 0.0f, {}}});
         } else {
           const std::vector<float>& logits = st->dev->forward(st->chunks);
-          const int n_vocab = cfg.model->hparams().n_vocab;
-          std::vector<float> row((size_t)n_vocab);
-          size_t si = 0;
-          for (const auto& e : w.batch) {
-            if (!e.need_logits) continue;
-            const sample_spec& sp = spec_of(si, e);
-            std::memcpy(row.data(), logits.data() + si * (size_t)n_vocab, sizeof(float) * (size_t)n_vocab);
-            ++si;
-            engine::sampling_params p = *sp.params;
-            p.seed = mix_seed(p.seed, sp.draw_index);
-            p.has_seed = true;
-            engine::sampler smp(p);
-            out.tokens.push_back({sp.seq, smp.sample(row, history_of(sp))});
+          const size_t n_vocab = (size_t)cfg.model->hparams().n_vocab;
+          std::vector<float> row(n_vocab);
+          for (size_t i = 0; i < n_rows; ++i) {
+            const sample_spec& sp = w.sampling[i];
+            std::copy_n(logits.begin() + (ptrdiff_t)(i * n_vocab), n_vocab, row.begin());
+            out.tokens.push_back({sp.seq, sample_on_host(row, *sp.params, sp.params->seed, sp.draw_index, histories[i])});
           }
         }
         std::unordered_map<uint64_t, engine::token_id> sampled_now;
