@@ -73,7 +73,7 @@ void on_output(self_ptr self, const step_output& out) {
     results.push_back({s.seq, s.r.token, stop});
     if (!stop) self->send(it->second.request, token_atom::value, s.seq, token_event{s.r});
   }
-  for (const finished_seq& f : st.core->on_step_done(results, st.now())) {
+  for (const finished_seq& f : st.core->on_step_done(results, st.now(), out.compute_s)) {
     auto it = st.seqs.find(f.seq);
     if (it == st.seqs.end()) continue;
     self->send(it->second.request, finished_atom::value, f.seq, f.reason, (int32_t)f.generated.size());

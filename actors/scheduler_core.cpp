@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <stdexcept>
 #include <unordered_set>
 
@@ -160,6 +161,7 @@ step_plan scheduler_core::schedule(double now) {
   step_plan plan;
   plan.step = ++step_no_;
   ++stats_.n_steps;
+  stats_.n_itl_capped += d.itl_capped;
 
   for (uint64_t id : d.timed_out) {
     const sequence& s = seqs_.at(id);
@@ -256,7 +258,7 @@ std::optional<step_plan> scheduler_core::schedule_ahead(double now) {
   // sequence's prompt and tokens) in what the decodes leave of the budget, while slots and
   // blocks last. The first that cannot join stops the loop; when nobody joins while someone
   // waits, the full planner (timeouts, priority preemption, chunking, the long queue) takes over.
-  int32_t tokens_left = cfg_.max_batched_tokens - (int32_t)ids.size();
+  int32_t tokens_left = std::min(cfg_.max_batched_tokens - (int32_t)ids.size(), prefill_allowance((int32_t)ids.size()));
   std::vector<scheduled_seq> admitted;
   for (uint64_t id : waiting_by_age(now)) {
     sequence& s = seqs_.at(id);
@@ -307,7 +309,15 @@ std::optional<step_plan> scheduler_core::schedule_ahead(double now) {
   return plan;
 }
 
-std::vector<finished_seq> scheduler_core::on_step_done(std::span<const token_result> results, double now) {
+int32_t scheduler_core::prefill_allowance(int32_t n_decodes) const {
+  constexpr int32_t unlimited = std::numeric_limits<int32_t>::max();
+  if (cfg_.target_itl_ms <= 0 || n_decodes <= 0 || step_times_.n_observed() == 0) return unlimited;
+  const int32_t n = step_times_.tokens_within(cfg_.target_itl_ms / 1000, cfg_.max_batched_tokens);
+  return std::max(cfg_.min_prefill_tokens, n - n_decodes);
+}
+
+std::vector<finished_seq> scheduler_core::on_step_done(std::span<const token_result> results, double now,
+                                                       double step_seconds) {
   if (pending_.empty()) throw std::logic_error("scheduler_core::on_step_done: no step in flight");
   const std::vector<pending_entry>& step = pending_.front();
   // Validate everything before changing anything.
@@ -322,6 +332,9 @@ std::vector<finished_seq> scheduler_core::on_step_done(std::span<const token_res
   }
   if (n_matched != by_seq.size()) throw std::invalid_argument("a result for a sequence that asked for no token");
 
+  int32_t n_step_tokens = 0;
+  for (const pending_entry& p : step) n_step_tokens += p.n_tokens;
+  if (step_seconds >= 0) step_times_.observe(n_step_tokens, step_seconds);
   std::vector<finished_seq> done;
   for (const pending_entry& p : step) {
     auto it = seqs_.find(p.seq);

@@ -85,6 +85,8 @@ std::string validate(const scheduler_config& c) {
   for (double v : {c.aging_s, c.priority_preempt_after_s, c.max_bypass_wait_s, c.queue_timeout_s})
     if (!std::isfinite(v)) return "time limits must be finite";
   if (c.queue_timeout_s < 0) return "queue_timeout_s must be >= 0";
+  if (!std::isfinite(c.target_itl_ms) || c.target_itl_ms < 0) return "target_itl_ms must be >= 0 (0: off)";
+  if (c.min_prefill_tokens < 1) return "min_prefill_tokens must be >= 1";
   return {};
 }
 
@@ -112,6 +114,7 @@ struct plan_context {
   std::vector<uint8_t> gone;         // run[i] preempted in this step
   size_t n_alive = 0;
   bool kv_preempted = false;
+  bool itl_bound = false;  // tokens_left was cut to the ITL allowance
 
   plan_context(const scheduler_core& c, double t)
       : core(c), cfg(c.cfg_), kv(c.kv_), now(t), dev(c.kv_.n_available_device()),
@@ -233,6 +236,10 @@ struct plan_context {
         d.run.push_back({run[i]->req.id, 1});
         --tokens_left;
       }
+    if (const int32_t allowance = core.prefill_allowance((int32_t)d.run.size()); allowance < tokens_left) {
+      tokens_left = allowance;
+      itl_bound = true;
+    }
     for (size_t i = 0; i < run.size(); ++i) {
       const sequence& s = *run[i];
       if (gone[i] || remaining(s) == 1 || tokens_left <= 0) continue;
@@ -336,6 +343,7 @@ step_decision scheduler_core::decide(double now) const {
   p.batch_running(capped);
   if (!p.kv_preempted) p.admit(candidates, reserved, capped);
   p.extend(capped);
+  p.d.itl_capped = p.itl_bound && p.tokens_left == 0;
   return std::move(p.d);
 }
 

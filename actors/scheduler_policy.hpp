@@ -12,7 +12,8 @@
 //   when every running sequence samples in the step in flight and KV blocks are to spare: each
 //   such sequence decodes one ahead_token at the position after the step in flight (the executor
 //   feeds in the token it sampled there), and waiting requests join in aged order while they fit
-//   whole (short prompts, or recomputed sequences, in the budget the decodes leave, slots and
+//   whole (short prompts, or recomputed sequences, in the budget the decodes leave (ITL
+//   allowance included), slots and
 //   blocks to spare; the first that does not fit stops them). When someone waits and nobody can
 //   join, or a step left someone out, nothing is planned ahead: the full planner (timeouts,
 //   priority preemption, chunked and long prefills) runs once the step in flight is back.
@@ -33,7 +34,8 @@
 //   3. running sequences, best first, get the KV positions they need; when blocks run out the
 //      lowest-priority, latest-arrived running sequence is preempted (possibly the one asking);
 //   4. the batch: every running decode (1 token), then running prefills' chunks, best first,
-//      under max_batched_tokens;
+//      under max_batched_tokens and, when decodes run and target_itl_ms is set, under the
+//      prefill allowance the step-time model gives (see prefill_allowance());
 //   5. admissions (none in a step that preempted for KV): the short and long queues' heads by
 //      aged key, while sequence slots, tokens and KV blocks last; a head that does not fit KV
 //      blocks only its own queue (the other bypasses it) unless it has waited max_bypass_wait_s;
@@ -55,6 +57,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "actors/step_time_model.hpp"
 #include "engine/block_manager.hpp"
 
 namespace troupe::actors {
@@ -80,6 +83,12 @@ struct scheduler_config {
   double max_bypass_wait_s = 30.0;        // (<= 0: a blocked head is always bypassed)
   double queue_timeout_s = 0;             // default waiting limit (0: none)
   bool plan_ahead = true;                 // allow schedule_ahead (two steps in flight)
+  // Inter-token latency target: a step that carries running decodes takes prefill tokens only
+  // while the step-time model (fitted to the executor's measured steps) predicts it ends within
+  // this; at least min_prefill_tokens still go, so prefills always progress. 0: off (only
+  // max_batched_tokens bounds a step).
+  double target_itl_ms = 0;
+  int32_t min_prefill_tokens = 16;
 };
 
 /// The token of a decode planned ahead: the executor substitutes the token it sampled for the
@@ -163,6 +172,7 @@ struct step_decision {
   std::vector<preemption_event> preempt;  // in this order
   std::vector<scheduled_seq> run;         // running: decodes, then prefill chunks
   std::vector<scheduled_seq> admit;       // waiting or swapped sequences that join
+  bool itl_capped = false;                // the ITL target's allowance bound the prefill tokens
 };
 
 /// The executor's answer for a batch entry with need_logits. `stop`: the caller decided that
@@ -184,6 +194,7 @@ struct scheduler_stats {
   int64_t n_timed_out = 0, n_preempted_swap = 0, n_preempted_recompute = 0;
   int64_t n_steps = 0, n_prefill_tokens = 0, n_decode_tokens = 0;
   int64_t n_admitted_ahead = 0;  // admissions (of n_admitted) into a step planned ahead
+  int64_t n_itl_capped = 0;      // steps whose prefill tokens the ITL target cut
 };
 
 struct seq_info {
@@ -222,8 +233,9 @@ class scheduler_core {
   /// Advances the sequences of the oldest step in flight. results: one per batch entry with
   /// need_logits (entries of cancelled sequences may be missing). Returns the sequences that
   /// finished (removed, blocks freed). Throws std::invalid_argument (nothing changed) when a
-  /// result is missing, unexpected or duplicated.
-  std::vector<finished_seq> on_step_done(std::span<const token_result> results, double now);
+  /// result is missing, unexpected or duplicated. step_seconds: the executor's measured time for
+  /// the step (negative: not measured), which teaches the step-time model.
+  std::vector<finished_seq> on_step_done(std::span<const token_result> results, double now, double step_seconds = -1);
 
   /// The executor died: the step in flight is void and every KV block it held (device, host,
   /// prefix cache) is lost. Running and swapped sequences go back to waiting, to be recomputed
@@ -240,6 +252,10 @@ class scheduler_core {
   const scheduler_config& config() const { return cfg_; }
   const scheduler_stats& stats() const { return stats_; }
   const engine::block_manager& kv() const { return kv_; }
+  const step_time_model& step_times() const { return step_times_; }
+  /// Prefill tokens a step with n_decodes running decodes may take under the ITL target
+  /// (INT32_MAX when the target is off, nothing has been measured yet, or n_decodes is 0).
+  int32_t prefill_allowance(int32_t n_decodes) const;
 
   /// Empty when the core's and the block manager's invariants hold, else the first violation.
   std::string check() const;
@@ -285,6 +301,7 @@ class scheduler_core {
   uint64_t step_no_ = 0;
   std::deque<std::vector<pending_entry>> pending_;  // the steps in flight, oldest first
   scheduler_stats stats_;
+  step_time_model step_times_;
 };
 
 }  // namespace troupe::actors

@@ -103,6 +103,8 @@ struct driver {
   double now = 0;
   double dt = 0.01;
   stop_fn stop;
+  // The executor's measured time of a step, reported to the scheduler (unset: not measured).
+  std::function<double(const step_plan&)> step_seconds;
   std::map<uint64_t, finished_seq> finished;
   std::map<uint64_t, failure_event> failed;
   std::vector<preemption_event> preempted;
@@ -137,7 +139,7 @@ struct driver {
     preempted.insert(preempted.end(), last.preempted.begin(), last.preempted.end());
     if (!last.batch.empty()) {
       const auto results = exec.run(last, stop);
-      for (auto& f : core.on_step_done(results, now)) finished[f.seq] = f;
+      for (auto& f : core.on_step_done(results, now, seconds_of(last))) finished[f.seq] = f;
     }
     INFO("step " << last.step);
     REQUIRE(core.check() == "");
@@ -151,11 +153,14 @@ struct driver {
     REQUIRE(core.n_waiting() == 0);
   }
 
+  double seconds_of(const step_plan& p) const { return step_seconds ? step_seconds(p) : -1; }
+
   /// Runs to idle as the scheduler actor does with pipelining: a full plan when no step is in
   /// flight, then a plan ahead while one is; the executor takes the steps in order.
   /// `arrivals(i)` is called before iteration i (to add requests) and says whether more will come.
   /// Returns the steps planned ahead.
-  int run_pipelined(const std::function<bool(int)>& arrivals, int max_iters = 20000) {
+  int run_pipelined(const std::function<bool(int)>& arrivals, int max_iters = 20000,
+                    const std::function<void(const step_plan&)>& on_done = {}) {
     std::deque<step_plan> q;
     int n_ahead = 0;
     bool more = true;
@@ -179,7 +184,8 @@ struct driver {
         const step_plan p = std::move(q.front());
         q.pop_front();
         const auto results = exec.run(p, stop);
-        for (auto& f : core.on_step_done(results, now)) finished[f.seq] = f;
+        for (auto& f : core.on_step_done(results, now, seconds_of(p))) finished[f.seq] = f;
+        if (on_done) on_done(p);
       }
       INFO("iteration " << i);
       REQUIRE(core.check() == "");

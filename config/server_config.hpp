@@ -58,6 +58,8 @@ struct server_config {
   double queue_timeout_s = 0;         // longest wait before the first step (0: none; 503 after)
   std::string preemption = "swap";    // "swap" (to host blocks) or "recompute"
   bool plan_ahead = true;             // pipelining: decode step n+1 planned while n runs
+  double target_itl_ms = 0;           // steps with decodes sized to end within this (0: off)
+  int64_t min_prefill_tokens = 16;    // prefill tokens such a step still takes, whatever the target
 
   // [auth]
   std::vector<std::string> api_keys;        // empty: the API is open

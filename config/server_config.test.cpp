@@ -73,6 +73,8 @@ kv_block_size = 32
 max_num_seqs = 8
 queue_timeout_s = 2.5
 preemption = "recompute"
+target_itl_ms = 60
+min_prefill_tokens = 32
 [auth]
 api_keys = ["k1", "k2"]
 admin_api_keys = ["adm"]
@@ -87,6 +89,8 @@ admin_api_keys = ["adm"]
   CHECK(c.max_num_seqs == 8);
   CHECK(c.queue_timeout_s == 2.5);
   CHECK(c.preemption == "recompute");
+  CHECK(c.target_itl_ms == 60.0);
+  CHECK(c.min_prefill_tokens == 32);
   CHECK(c.api_keys == std::vector<std::string>{"k1", "k2"});
   CHECK(c.admin_api_keys == std::vector<std::string>{"adm"});
   // untouched
@@ -155,6 +159,8 @@ TEST_CASE("server_config: out-of-range values are named by validate()", "[config
       {"[scheduler]\nmax_waiting = -1", "scheduler.max_waiting"},
       {"[scheduler]\nmax_waiting_tokens = -1", "scheduler.max_waiting_tokens"},
       {"[scheduler]\nqueue_timeout_s = -0.5", "scheduler.queue_timeout_s"},
+      {"[scheduler]\ntarget_itl_ms = -5", "scheduler.target_itl_ms (--target-itl-ms) must be >= 0 (0: off)"},
+      {"[scheduler]\nmin_prefill_tokens = 0", "scheduler.min_prefill_tokens (--min-prefill-tokens)"},
       {"[scheduler]\npreemption = \"drop\"", "scheduler.preemption (--preemption) must be \"swap\" or \"recompute\", got \"drop\""},
       {"[auth]\napi_keys = [\"\"]", "auth.api_keys (--api-key): a key must not be empty"},
       {"[auth]\nadmin_api_keys = [\"has space\"]", "auth.admin_api_keys (--admin-api-key): a key must be printable"},
@@ -169,7 +175,7 @@ TEST_CASE("server_config: out-of-range values are named by validate()", "[config
 }
 
 TEST_CASE("server_config: describe() redacts API keys and round-trips through parse_toml", "[config]") {
-  server_config c = parse_toml("[server]\nport = 1234\n[websocket]\nsend_timeout_s = 2.5\n[scheduler]\nplan_ahead = false\n[auth]\napi_keys = [\"secret-one\", \"secret-two\"]\nadmin_api_keys = [\"adm1n\"]\n");
+  server_config c = parse_toml("[server]\nport = 1234\n[websocket]\nsend_timeout_s = 2.5\n[scheduler]\nplan_ahead = false\ntarget_itl_ms = 45.5\n[auth]\napi_keys = [\"secret-one\", \"secret-two\"]\nadmin_api_keys = [\"adm1n\"]\n");
   const std::string d = describe(c);
   CHECK_FALSE(contains(d, "secret"));
   CHECK_FALSE(contains(d, "adm1n"));
@@ -178,6 +184,7 @@ TEST_CASE("server_config: describe() redacts API keys and round-trips through pa
   CHECK(back.port == 1234);
   CHECK(back.ws_send_timeout_s == 2.5);
   CHECK_FALSE(back.plan_ahead);
+  CHECK(back.target_itl_ms == 45.5);
   CHECK(back.api_keys.size() == 2);
 }
 

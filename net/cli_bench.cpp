@@ -24,6 +24,7 @@ struct bench_opts {
   int concurrency = 0, requests = 0;
   bool json = false;
   bool no_plan_ahead = false;
+  double target_itl_ms = 0;
 };
 
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
@@ -36,7 +37,7 @@ double median(std::vector<double> v) {
 int run_bench(bench_opts& o) {
   if (o.concurrency > 0) {
 #ifdef TROUPE_HAVE_ACTORS
-    load_opts l{o.engine, o.concurrency, o.requests > 0 ? o.requests : 4 * o.concurrency, o.prompt_len, o.gen_len, o.json, !o.no_plan_ahead};
+    load_opts l{o.engine, o.concurrency, o.requests > 0 ? o.requests : 4 * o.concurrency, o.prompt_len, o.gen_len, o.json, !o.no_plan_ahead, o.target_itl_ms};
     return run_load_bench(l);
 #else
     throw std::runtime_error("--concurrency needs the actor runtime: this build has no CAF (TROUPE_SERVICE=OFF)");
@@ -124,6 +125,8 @@ action add_bench(CLI::App& app) {
                   "serving benchmark: N concurrent closed-loop streams through the actor runtime (0: engine only)");
   cmd->add_option("--requests", o->requests, "requests in the serving benchmark (default 4 x concurrency)");
   cmd->add_option("--device", o->engine.device, "serving benchmark: executor device (cpu, cuda, cuda:N)")->capture_default_str();
+  cmd->add_option("--target-itl-ms", o->target_itl_ms, "serving benchmark: the scheduler's inter-token latency target (0: off)")
+      ->capture_default_str();
   cmd->add_flag("--no-plan-ahead", o->no_plan_ahead, "serving benchmark: one step in flight (no pipelining), for comparison");
   return [o] { return run_bench(*o); };
 }

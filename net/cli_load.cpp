@@ -78,6 +78,7 @@ int run_load_bench(const load_opts& o) {
   eo.sched.max_num_seqs = std::max(o.concurrency, 1);
   eo.sched.max_batched_tokens = ec.n_batch;
   eo.sched.plan_ahead = o.plan_ahead;
+  eo.sched.target_itl_ms = o.target_itl_ms;
   eo.cuda_device = config::parse_device(ec.device);
   const int n_vocab = probe->vocab().n_vocab();
   const size_t weight_bytes = probe->weight_bytes_per_token();
@@ -156,11 +157,11 @@ int run_load_bench(const load_opts& o) {
     std::printf("{\"concurrency\":%d,\"requests\":%d,\"ok\":%lld,\"prompt_len\":%d,\"gen_len\":%d,\"threads\":%d,"
                 "\"tok_s\":%.2f,\"req_s\":%.3f,\"ttft_p50_ms\":%.2f,\"ttft_p99_ms\":%.2f,\"itl_p50_ms\":%.2f,\"itl_p99_ms\":%.2f,"
                 "\"e2e_p50_ms\":%.1f,\"e2e_p99_ms\":%.1f,\"roofline_tok_s\":%.1f,\"mem_roofline_tok_s\":%.1f,\"compute_roofline_tok_s\":%.1f,\"kernel_gflops\":%.1f,\"preemptions\":%lld,"
-                "\"steps\":%lld,\"steps_ahead\":%lld,\"admitted_ahead\":%lld,\"sched_us_per_step\":%.1f}\n",
+                "\"steps\":%lld,\"steps_ahead\":%lld,\"admitted_ahead\":%lld,\"itl_capped_steps\":%lld,\"sched_us_per_step\":%.1f}\n",
                 o.concurrency, o.requests, (long long)n_ok, o.prompt_len, o.gen_len, ec.n_threads, tok_s, n_ok / wall,
                 pct(ttft, 50), pct(ttft, 99), pct(itl, 50), pct(itl, 99), pct(e2e, 50), pct(e2e, 99), roof_tok_s, mem_roof, compute_roof, gflops,
                 (long long)(st.sched.n_preempted_swap + st.sched.n_preempted_recompute), (long long)st.n_steps,
-                (long long)st.n_steps_ahead, (long long)st.sched.n_admitted_ahead, st.n_steps > 0 ? st.sched_s / (double)st.n_steps * 1e6 : 0.0);
+                (long long)st.n_steps_ahead, (long long)st.sched.n_admitted_ahead, (long long)st.sched.n_itl_capped, st.n_steps > 0 ? st.sched_s / (double)st.n_steps * 1e6 : 0.0);
   } else {
     std::printf("concurrency %d | %d requests (%lld ok) | prompt %d | gen %d | threads %d\n", o.concurrency, o.requests,
                 (long long)n_ok, o.prompt_len, o.gen_len, ec.n_threads);
@@ -172,9 +173,9 @@ int run_load_bench(const load_opts& o) {
     std::printf("E2E ms     p50 %8.1f   p99 %8.1f\n", pct(e2e, 50), pct(e2e, 99));
     if (st.n_steps > 0)
       std::printf("per step   scheduler %.1f us (plan + results), executor %.2f ms (%lld steps, %lld planned ahead, "
-                  "%lld admissions in them)\n",
+                  "%lld admissions in them, %lld cut to the ITL target)\n",
                   st.sched_s / (double)st.n_steps * 1e6, st.executor_s / (double)st.n_steps * 1e3, (long long)st.n_steps,
-                  (long long)st.n_steps_ahead, (long long)st.sched.n_admitted_ahead);
+                  (long long)st.n_steps_ahead, (long long)st.sched.n_admitted_ahead, (long long)st.sched.n_itl_capped);
   }
   return n_ok == o.requests ? 0 : 1;
 }

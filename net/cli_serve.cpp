@@ -51,7 +51,8 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       engine_field("--kv-block-size", &e::kv_block_size), engine_field("--batch-size", &e::n_batch), engine_field("--device", &e::device), field("--kv-mb", &c::kv_mb),
       field("--max-num-seqs", &c::max_num_seqs), field("--max-waiting", &c::max_waiting),
       field("--max-waiting-tokens", &c::max_waiting_tokens), field("--queue-timeout-s", &c::queue_timeout_s),
-      field("--preemption", &c::preemption), field("--plan-ahead", &c::plan_ahead), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
+      field("--preemption", &c::preemption), field("--plan-ahead", &c::plan_ahead),
+      field("--target-itl-ms", &c::target_itl_ms), field("--min-prefill-tokens", &c::min_prefill_tokens), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
   };
   return v;
 }
@@ -107,6 +108,8 @@ int run_serve(serve_opts& o) {
   eo.sched.queue_timeout_s = c.queue_timeout_s;
   eo.sched.preemption = c.preemption == "recompute" ? actors::preemption_mode::recompute : actors::preemption_mode::swap;
   eo.sched.plan_ahead = c.plan_ahead;
+  eo.sched.target_itl_ms = c.target_itl_ms;
+  eo.sched.min_prefill_tokens = (int32_t)c.min_prefill_tokens;
   eo.sched.max_model_len = ec.n_ctx;  // 0: the engine's limit (trained context, KV pool)
   auto eng = actors::engine_handle::start(eo);
   const engine::model& m = eng->model();
@@ -151,6 +154,10 @@ action add_serve(CLI::App& app) {
   cmd->add_option("--queue-timeout-s", f.queue_timeout_s, "longest wait for the first step (0: none; 503 after)")->capture_default_str();
   cmd->add_option("--preemption", f.preemption, "when KV runs out: swap or recompute")->capture_default_str();
   cmd->add_option("--plan-ahead", f.plan_ahead, "pipelining: plan step n+1 (decodes, short prompts that fit whole) while n runs (true/false)")->capture_default_str();
+  cmd->add_option("--target-itl-ms", f.target_itl_ms,
+                  "inter-token latency target: steps that carry decodes take prefill tokens only while predicted to end within it (0: off)")
+      ->capture_default_str();
+  cmd->add_option("--min-prefill-tokens", f.min_prefill_tokens, "prefill tokens such a step still takes whatever the target")->capture_default_str();
   cmd->add_option("--max-body-bytes", f.max_body_bytes, "largest request body accepted (413 beyond)")->capture_default_str();
   cmd->add_option("--request-timeout-s", f.request_timeout_s, "deadline of one generation")->capture_default_str();
   cmd->add_option("--idle-timeout-s", f.idle_timeout_s, "reading one request, or waiting for the next on a kept-alive connection")->capture_default_str();

@@ -122,6 +122,8 @@ std::string metrics_registry::render(const actors::engine_stats* engine) const {
   sample(out, "troupe_scheduler_refused_total", s.sched.n_refused, "counter", "Requests the scheduler refused at admission.");
   sample(out, "troupe_scheduler_timed_out_total", s.sched.n_timed_out, "counter", "Requests that waited past their queue timeout.");
   sample(out, "troupe_scheduler_steps_total", s.sched.n_steps, "counter", "Engine steps run.");
+  sample(out, "troupe_scheduler_itl_capped_steps_total", s.sched.n_itl_capped, "counter",
+         "Steps whose prefill tokens the inter-token latency target cut.");
   sample(out, "troupe_executor_restarts_total", (int64_t)s.executor_restarts, "counter", "Times the supervisor restarted the executor.");
   sample(out, "troupe_executor_alive", (int64_t)s.executor_alive, "gauge", "1 while an executor is running.");
   sample(out, "troupe_circuit_open", (int64_t)s.circuit_open, "gauge", "1 when the executor failed too often and requests are refused.");

@@ -118,6 +118,17 @@ def test_serve_kv_beyond_memory_refused_at_start():
     assert last.startswith("troupe: error: the KV cache needs") and "lower --kv-mb" in last, last
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["--target-itl-ms", "-1"], "scheduler.target_itl_ms (--target-itl-ms) must be >= 0"),
+    (["--target-itl-ms", "inf"], "scheduler.target_itl_ms (--target-itl-ms)"),
+    (["--min-prefill-tokens", "0"], "scheduler.min_prefill_tokens (--min-prefill-tokens) must be in [1, 65536]"),
+])
+def test_serve_scheduler_limits_refused_at_start(args, needle):
+    r = run("serve", "--port", "0", *args)
+    assert r.returncode == 1, r.stderr
+    assert needle in r.stderr.strip().splitlines()[-1], r.stderr
+
+
 def test_good_run_after_errors():
     r = run("generate", "-p", "The capital of France is", "-n", "4", "--temperature", "0", "-q")
     assert r.returncode == 0, r.stderr
