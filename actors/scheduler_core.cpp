@@ -312,7 +312,8 @@ std::optional<step_plan> scheduler_core::schedule_ahead(double now) {
 int32_t scheduler_core::prefill_allowance(int32_t n_decodes) const {
   constexpr int32_t unlimited = std::numeric_limits<int32_t>::max();
   if (cfg_.target_itl_ms <= 0 || n_decodes <= 0 || step_times_.n_observed() == 0) return unlimited;
-  const int32_t n = step_times_.tokens_within(cfg_.target_itl_ms / 1000, cfg_.max_batched_tokens);
+  const double target = std::max(cfg_.target_itl_ms / 1000, cfg_.itl_stretch * *step_times_.predict(n_decodes));
+  const int32_t n = step_times_.tokens_within(target, cfg_.max_batched_tokens);
   return std::max(cfg_.min_prefill_tokens, n - n_decodes);
 }
 

@@ -86,6 +86,7 @@ std::string validate(const scheduler_config& c) {
     if (!std::isfinite(v)) return "time limits must be finite";
   if (c.queue_timeout_s < 0) return "queue_timeout_s must be >= 0";
   if (!std::isfinite(c.target_itl_ms) || c.target_itl_ms < 0) return "target_itl_ms must be >= 0 (0: off)";
+  if (!std::isfinite(c.itl_stretch) || c.itl_stretch < 1) return "itl_stretch must be >= 1";
   if (c.min_prefill_tokens < 1) return "min_prefill_tokens must be >= 1";
   return {};
 }

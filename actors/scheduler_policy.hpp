@@ -85,9 +85,12 @@ struct scheduler_config {
   bool plan_ahead = true;                 // allow schedule_ahead (two steps in flight)
   // Inter-token latency target: a step that carries running decodes takes prefill tokens only
   // while the step-time model (fitted to the executor's measured steps) predicts it ends within
-  // this; at least min_prefill_tokens still go, so prefills always progress. 0: off (only
-  // max_batched_tokens bounds a step).
+  // this. 0: off (only max_batched_tokens bounds a step). Where the decodes alone take longer
+  // than target / itl_stretch (a load the target cannot hold), the step may still take up to
+  // itl_stretch x their time, so prompts keep flowing instead of the running batch shrinking;
+  // and at least min_prefill_tokens always go.
   double target_itl_ms = 0;
+  double itl_stretch = 2.0;
   int32_t min_prefill_tokens = 16;
 };
 
@@ -253,8 +256,9 @@ class scheduler_core {
   const scheduler_stats& stats() const { return stats_; }
   const engine::block_manager& kv() const { return kv_; }
   const step_time_model& step_times() const { return step_times_; }
-  /// Prefill tokens a step with n_decodes running decodes may take under the ITL target
-  /// (INT32_MAX when the target is off, nothing has been measured yet, or n_decodes is 0).
+  /// Prefill tokens a step with n_decodes running decodes may take under the ITL target, or
+  /// under itl_stretch x the decodes' own predicted time when that is longer (INT32_MAX when the
+  /// target is off, nothing has been measured yet, or n_decodes is 0).
   int32_t prefill_allowance(int32_t n_decodes) const;
 
   /// Empty when the core's and the block manager's invariants hold, else the first violation.

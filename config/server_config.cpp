@@ -138,6 +138,7 @@ const std::vector<key_spec>& keys() {
       {"scheduler", "preemption", string_key(&server_config::preemption)},
       {"scheduler", "plan_ahead", bool_key(&server_config::plan_ahead)},
       {"scheduler", "target_itl_ms", double_key(&server_config::target_itl_ms)},
+      {"scheduler", "itl_stretch", double_key(&server_config::itl_stretch)},
       {"scheduler", "min_prefill_tokens", int_key(&server_config::min_prefill_tokens)},
       {"auth", "api_keys", string_list_key(&server_config::api_keys)},
       {"auth", "admin_api_keys", string_list_key(&server_config::admin_api_keys)},
@@ -250,6 +251,8 @@ std::string validate(const server_config& c) {
     return range_error("scheduler.queue_timeout_s", "--queue-timeout-s", ">= 0 (0: none)", num(c.queue_timeout_s));
   if (!(c.target_itl_ms >= 0) || !std::isfinite(c.target_itl_ms))
     return range_error("scheduler.target_itl_ms", "--target-itl-ms", ">= 0 (0: off)", num(c.target_itl_ms));
+  if (!(c.itl_stretch >= 1) || !std::isfinite(c.itl_stretch))
+    return range_error("scheduler.itl_stretch", "--itl-stretch", ">= 1", num(c.itl_stretch));
   if (c.min_prefill_tokens < 1 || c.min_prefill_tokens > 65536)
     return range_error("scheduler.min_prefill_tokens", "--min-prefill-tokens", "in [1, 65536]", std::to_string(c.min_prefill_tokens));
   if (c.preemption != "swap" && c.preemption != "recompute")
@@ -290,7 +293,7 @@ std::string describe(const server_config& c) {
     << "max_num_seqs = " << c.max_num_seqs << "\nmax_waiting = " << c.max_waiting << "\nmax_waiting_tokens = " << c.max_waiting_tokens
     << "\nqueue_timeout_s = " << num(c.queue_timeout_s) << "\npreemption = " << quote(c.preemption)
     << "\nplan_ahead = " << (c.plan_ahead ? "true" : "false") << "\ntarget_itl_ms = " << num(c.target_itl_ms)
-    << "\nmin_prefill_tokens = " << c.min_prefill_tokens << "\n"
+    << "\nitl_stretch = " << num(c.itl_stretch) << "\nmin_prefill_tokens = " << c.min_prefill_tokens << "\n"
     << "[auth]\n"
     << "api_keys = " << redacted(c.api_keys) << "\nadmin_api_keys = " << redacted(c.admin_api_keys) << "\n";
   return o.str();

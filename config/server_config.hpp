@@ -59,6 +59,7 @@ struct server_config {
   std::string preemption = "swap";    // "swap" (to host blocks) or "recompute"
   bool plan_ahead = true;             // pipelining: decode step n+1 planned while n runs
   double target_itl_ms = 0;           // steps with decodes sized to end within this (0: off)
+  double itl_stretch = 2.0;           // ...or within this x the decodes' own time, when longer
   int64_t min_prefill_tokens = 16;    // prefill tokens such a step still takes, whatever the target
 
   // [auth]

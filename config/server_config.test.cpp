@@ -74,6 +74,7 @@ max_num_seqs = 8
 queue_timeout_s = 2.5
 preemption = "recompute"
 target_itl_ms = 60
+itl_stretch = 1.5
 min_prefill_tokens = 32
 [auth]
 api_keys = ["k1", "k2"]
@@ -90,6 +91,7 @@ admin_api_keys = ["adm"]
   CHECK(c.queue_timeout_s == 2.5);
   CHECK(c.preemption == "recompute");
   CHECK(c.target_itl_ms == 60.0);
+  CHECK(c.itl_stretch == 1.5);
   CHECK(c.min_prefill_tokens == 32);
   CHECK(c.api_keys == std::vector<std::string>{"k1", "k2"});
   CHECK(c.admin_api_keys == std::vector<std::string>{"adm"});
@@ -160,6 +162,7 @@ TEST_CASE("server_config: out-of-range values are named by validate()", "[config
       {"[scheduler]\nmax_waiting_tokens = -1", "scheduler.max_waiting_tokens"},
       {"[scheduler]\nqueue_timeout_s = -0.5", "scheduler.queue_timeout_s"},
       {"[scheduler]\ntarget_itl_ms = -5", "scheduler.target_itl_ms (--target-itl-ms) must be >= 0 (0: off)"},
+      {"[scheduler]\nitl_stretch = 0.5", "scheduler.itl_stretch (--itl-stretch) must be >= 1"},
       {"[scheduler]\nmin_prefill_tokens = 0", "scheduler.min_prefill_tokens (--min-prefill-tokens)"},
       {"[scheduler]\npreemption = \"drop\"", "scheduler.preemption (--preemption) must be \"swap\" or \"recompute\", got \"drop\""},
       {"[auth]\napi_keys = [\"\"]", "auth.api_keys (--api-key): a key must not be empty"},

@@ -52,7 +52,8 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       field("--max-num-seqs", &c::max_num_seqs), field("--max-waiting", &c::max_waiting),
       field("--max-waiting-tokens", &c::max_waiting_tokens), field("--queue-timeout-s", &c::queue_timeout_s),
       field("--preemption", &c::preemption), field("--plan-ahead", &c::plan_ahead),
-      field("--target-itl-ms", &c::target_itl_ms), field("--min-prefill-tokens", &c::min_prefill_tokens), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
+      field("--target-itl-ms", &c::target_itl_ms), field("--itl-stretch", &c::itl_stretch),
+      field("--min-prefill-tokens", &c::min_prefill_tokens), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
   };
   return v;
 }
@@ -109,6 +110,7 @@ int run_serve(serve_opts& o) {
   eo.sched.preemption = c.preemption == "recompute" ? actors::preemption_mode::recompute : actors::preemption_mode::swap;
   eo.sched.plan_ahead = c.plan_ahead;
   eo.sched.target_itl_ms = c.target_itl_ms;
+  eo.sched.itl_stretch = c.itl_stretch;
   eo.sched.min_prefill_tokens = (int32_t)c.min_prefill_tokens;
   eo.sched.max_model_len = ec.n_ctx;  // 0: the engine's limit (trained context, KV pool)
   auto eng = actors::engine_handle::start(eo);
@@ -156,6 +158,9 @@ action add_serve(CLI::App& app) {
   cmd->add_option("--plan-ahead", f.plan_ahead, "pipelining: plan step n+1 (decodes, short prompts that fit whole) while n runs (true/false)")->capture_default_str();
   cmd->add_option("--target-itl-ms", f.target_itl_ms,
                   "inter-token latency target: steps that carry decodes take prefill tokens only while predicted to end within it (0: off)")
+      ->capture_default_str();
+  cmd->add_option("--itl-stretch", f.itl_stretch,
+                  "under a load the ITL target cannot hold, a step may still take this x its decodes' own time (>= 1)")
       ->capture_default_str();
   cmd->add_option("--min-prefill-tokens", f.min_prefill_tokens, "prefill tokens such a step still takes whatever the target")->capture_default_str();
   cmd->add_option("--max-body-bytes", f.max_body_bytes, "largest request body accepted (413 beyond)")->capture_default_str();

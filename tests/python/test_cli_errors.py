@@ -121,6 +121,7 @@ def test_serve_kv_beyond_memory_refused_at_start():
 @pytest.mark.parametrize("args,needle", [
     (["--target-itl-ms", "-1"], "scheduler.target_itl_ms (--target-itl-ms) must be >= 0"),
     (["--target-itl-ms", "inf"], "scheduler.target_itl_ms (--target-itl-ms)"),
+    (["--itl-stretch", "0.9"], "scheduler.itl_stretch (--itl-stretch) must be >= 1"),
     (["--min-prefill-tokens", "0"], "scheduler.min_prefill_tokens (--min-prefill-tokens) must be in [1, 65536]"),
 ])
 def test_serve_scheduler_limits_refused_at_start(args, needle):
