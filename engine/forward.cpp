@@ -1,5 +1,7 @@
 #include "engine/forward.hpp"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -35,7 +37,7 @@ void validate_batch(std::span<const seq_chunk> batch, int n_vocab, int block_siz
   }
 }
 
-void cpu_forward::resize(int64_t n, int64_t max_pos) {
+void cpu_forward::resize(int64_t n) {
   const auto& hp = m_.hparams();
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim, kvd = (int64_t)hp.n_kv_heads * hp.head_dim;
   auto grow = [](std::vector<float>& v, int64_t size) {
@@ -50,7 +52,56 @@ void cpu_forward::resize(int64_t n, int64_t max_pos) {
   grow(gate_, n * hp.d_ff);
   grow(up_, n * hp.d_ff);
   grow(cos_sin_, n * hp.n_rot);
-  grow(attn_scratch_, (int64_t)pool_.size() * (max_pos + 16));
+}
+
+// Splits each row's positions [0, pos] into parts of whole blocks: long enough that a part's
+// fixed costs stay small (>= 64 positions), short enough that the step has several parts per
+// thread, so a decode at a long context spreads over every thread (flash-decoding) while a
+// prefill's many rows mostly keep one part each. When parts are still fewer than two per thread
+// (short contexts), each part's KV heads are split into items too. Items are taken longest
+// first, one at a time, so a prefill's causal rows (row r attends to r + 1 positions) balance.
+void cpu_forward::plan_attention(int64_t n) {
+  const auto& hp = m_.hparams();
+  const int64_t bs = kv_.shape().block_size;
+  const int64_t nth = pool_.size();
+  int64_t total = 0, max_len = 0;
+  for (int64_t r = 0; r < n; ++r) total += pos_[(size_t)r] + 1;
+  int64_t len = std::max<int64_t>(64, total / (nth * 8));
+  len = (len + bs - 1) / bs * bs;
+  parts_.clear();
+  row_parts_.assign((size_t)n + 1, 0);
+  for (int64_t r = 0; r < n; ++r) {
+    row_parts_[(size_t)r] = (int64_t)parts_.size();
+    const int64_t n_pos = pos_[(size_t)r] + 1;
+    for (int64_t p0 = 0; p0 < n_pos; p0 += len) {
+      parts_.push_back({r, p0, std::min(n_pos, p0 + len)});
+      max_len = std::max(max_len, parts_.back().p1 - p0);
+    }
+  }
+  row_parts_[(size_t)n] = (int64_t)parts_.size();
+  const auto n_parts = (int64_t)parts_.size();
+  const int group = hp.n_heads / hp.n_kv_heads;
+  const int splits = (int)std::clamp<int64_t>((2 * nth + n_parts - 1) / n_parts, 1, hp.n_kv_heads);
+  items_.clear();
+  row_items_.assign((size_t)n, 0);
+  for (int64_t i = 0; i < n_parts; ++i)
+    for (int c = 0; c < splits; ++c) {
+      const int k0 = hp.n_kv_heads * c / splits, k1 = hp.n_kv_heads * (c + 1) / splits;
+      items_.push_back({i, k0 * group, k1 * group});
+      ++row_items_[(size_t)parts_[(size_t)i].row];
+    }
+  auto cost = [&](const attn_item& it) {
+    return (parts_[(size_t)it.part].p1 - parts_[(size_t)it.part].p0) * (it.h1 - it.h0);
+  };
+  std::stable_sort(items_.begin(), items_.end(), [&](const attn_item& a, const attn_item& b) { return cost(a) > cost(b); });
+  auto grow = [](std::vector<float>& v, int64_t size) {
+    if ((int64_t)v.size() < size) v.resize((size_t)size);
+  };
+  grow(part_m_, n_parts * hp.n_heads);
+  grow(part_l_, n_parts * hp.n_heads);
+  grow(part_acc_, n_parts * hp.n_heads * hp.head_dim);
+  scratch_per_thread_ = kernels::attention_scratch_floats(hp.n_heads, hp.head_dim, max_len);
+  grow(attn_scratch_, nth * scratch_per_thread_);
 }
 
 const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch) {
@@ -60,12 +111,9 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
   const int bs = kv_.shape().block_size;
 
   // Lay the batch out as token rows.
-  int64_t n = 0, max_pos = 0;
-  for (const auto& c : batch) {
-    n += (int64_t)c.tokens.size();
-    max_pos = std::max<int64_t>(max_pos, c.pos0 + (int64_t)c.tokens.size());
-  }
-  resize(n, max_pos);
+  int64_t n = 0;
+  for (const auto& c : batch) n += (int64_t)c.tokens.size();
+  resize(n);
   pos_.resize((size_t)n);
   row_seq_.resize((size_t)n);
   for (int64_t r = 0, ci = 0; ci < (int64_t)batch.size(); ++ci)
@@ -73,6 +121,7 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
       pos_[(size_t)r] = batch[ci].pos0 + j;
       row_seq_[(size_t)r] = {(int32_t)ci, (int32_t)j};
     }
+  plan_attention(n);
 
   // Embeddings and RoPE angles.
   const auto& emb = m_.token_embd();
@@ -116,16 +165,26 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
       }
     });
 
-    // Attention over the paged cache, one (row, head) item at a time.
-    const int64_t n_items = n * hp.n_heads;
-    pool_.parallel_for(n_items, 1, [&](int64_t i0, int64_t i1, int ith) {
-      float* scratch = &attn_scratch_[(size_t)ith * (size_t)(max_pos + 16)];
-      for (int64_t it = i0; it < i1; ++it) {
-        const int64_t r = it / hp.n_heads;
-        const int h = (int)(it % hp.n_heads);
-        const auto [ci, j] = row_seq_[(size_t)r];
-        kernels::attention_row(&q_[(size_t)(r * qd)], hp.n_heads, pos_[(size_t)r], kv, batch[(size_t)ci].block_table.data(),
-                               attn_scale, &o_[(size_t)(r * qd)], h, h + 1, scratch);
+    // Attention over the paged cache: threads take items in turn; whoever finishes a row's last
+    // item merges that row's parts.
+    row_left_ = row_items_;
+    std::atomic<int64_t> next{0};
+    pool_.run([&](int ith, int) {
+      float* scratch = &attn_scratch_[(size_t)(ith * scratch_per_thread_)];
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < (int64_t)items_.size();) {
+        const attn_item& it = items_[(size_t)i];
+        const attn_part& pt = parts_[(size_t)it.part];
+        const auto [ci, j] = row_seq_[(size_t)pt.row];
+        const int64_t at = it.part * hp.n_heads + it.h0;
+        kernels::attention_partial(&q_[(size_t)(pt.row * qd)], hp.n_heads, pt.p0, pt.p1, kv,
+                                   batch[(size_t)ci].block_table.data(), attn_scale, it.h0, it.h1, &part_m_[(size_t)at],
+                                   &part_l_[(size_t)at], &part_acc_[(size_t)(at * hp.head_dim)], scratch);
+        if (std::atomic_ref<int32_t>(row_left_[(size_t)pt.row]).fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          const int64_t first = row_parts_[(size_t)pt.row];
+          kernels::attention_merge((int)(row_parts_[(size_t)pt.row + 1] - first), hp.n_heads, hp.head_dim,
+                                   &part_m_[(size_t)(first * hp.n_heads)], &part_l_[(size_t)(first * hp.n_heads)],
+                                   &part_acc_[(size_t)(first * qd)], &o_[(size_t)(pt.row * qd)]);
+        }
       }
     });
     kernels::matmul(L.wo, o_.data(), qd, n, h_.data(), d, pool_);

@@ -42,13 +42,29 @@ class cpu_forward {
   const std::vector<float>& forward(std::span<const seq_chunk> batch);
 
  private:
-  void resize(int64_t n_tokens, int64_t max_pos);
+  void resize(int64_t n_tokens);
+  void plan_attention(int64_t n_tokens);
 
   const model& m_;
   kv_storage& kv_;
   kernels::thread_pool& pool_;
   // Scratch, grown on demand and reused across steps.
   std::vector<float> x_, h_, q_, k_, v_, o_, gate_, up_, cos_sin_, attn_scratch_, out_rows_, logits_;
+  // Attention work: a row's positions split into parts (a long context spreads over the
+  // threads), a part's heads into items when parts alone are too few to feed every thread.
+  struct attn_part {
+    int64_t row, p0, p1;
+  };
+  struct attn_item {
+    int64_t part;
+    int h0, h1;
+  };
+  std::vector<attn_part> parts_;
+  std::vector<attn_item> items_;          // longest first: threads take them in turn
+  std::vector<int64_t> row_parts_;        // row r's parts are [row_parts_[r], row_parts_[r + 1])
+  std::vector<int32_t> row_items_, row_left_;  // items per row; those not done in this layer
+  std::vector<float> part_m_, part_l_, part_acc_;
+  int64_t scratch_per_thread_ = 0;
   std::vector<int64_t> pos_;
   std::vector<std::pair<int32_t, int32_t>> row_seq_;  // token row -> (chunk index, index in chunk)
 };

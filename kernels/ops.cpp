@@ -2,6 +2,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace troupe::kernels {
@@ -62,21 +63,6 @@ inline __m256 exp256_neg(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// out[0:8*NV] = sum_p w[p] * V_p, accumulators in registers. NV = head_dim / 8.
-template <int NV>
-inline void weighted_sum_f16(float* out, const float* w, int64_t n_pos, const kv_layer_view& kv, const int32_t* table,
-                             int64_t offset) {
-  __m256 acc[NV];
-  for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < n_pos; ++p) {
-    const fp16_t* v = kv.v_at(table[p / kv.block_size], (int)(p % kv.block_size)) + offset;
-    const __m256 wp = _mm256_set1_ps(w[p]);
-    for (int j = 0; j < NV; ++j)
-      acc[j] = _mm256_fmadd_ps(wp, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(v + 8 * j))), acc[j]);
-  }
-  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
-}
-
 inline void store_f16(fp16_t* dst, const float* src, int n) {
   int i = 0;
   for (; i + 8 <= n; i += 8)
@@ -130,48 +116,190 @@ void kv_store_row(const kv_layer_view& kv, int32_t block, int slot, const float*
   store_f16(kv.v_at(block, slot), v, n);
 }
 
-void attention_row(const float* q, int n_heads, int64_t pos, const kv_layer_view& kv,
-                   const int32_t* block_table, float scale, float* out, int h0, int h1, float* scratch) {
-  const int hd = kv.head_dim;
-  const int group = n_heads / kv.n_kv_heads;
-  const int64_t n_pos = pos + 1;
-  for (int h = h0; h < h1; ++h) {
-    const int g = h / group;
-    const float* qh = q + (int64_t)h * hd;
-    float mx = -INFINITY;
-    for (int64_t p = 0; p < n_pos; ++p) {
-      const fp16_t* k = kv.k_at(block_table[p / kv.block_size], (int)(p % kv.block_size)) + (int64_t)g * hd;
-      const float s = dot_f32_f16(qh, k, hd) * scale;
-      scratch[p] = s;
-      mx = s > mx ? s : mx;
+namespace {
+
+// {sum(a), sum(b), sum(c), sum(d)} of four 8-lane vectors.
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// G (<= 4) query heads that share the KV head at `off`, over positions [p0, p1) (p1 > p0):
+// per head the largest score m, l = sum of exp(score - m), acc = sum of exp(score - m) * V
+// (unnormalised). qs: the G heads' rows, scaled, G * hd floats (hd a multiple of 8). Each K and
+// V row is loaded and converted once for all G heads; positions go 4 at a time through one
+// horizontal reduction. sc: G * (p1 - p0) floats.
+template <int G>
+void partial_group(const float* qs, int hd, int64_t p0, int64_t p1, const kv_layer_view& kv, const int32_t* table,
+                   int64_t off, float* m, float* l, float* acc, float* sc) {
+  const int nv = hd / 8;
+  const int64_t row = (int64_t)kv.n_kv_heads * kv.head_dim;
+  const int64_t n = p1 - p0;
+  const int bs = kv.block_size;
+  __m128 vmx[G];
+  float mx[G];
+  for (int g = 0; g < G; ++g) {
+    vmx[g] = _mm_set1_ps(-INFINITY);
+    mx[g] = -INFINITY;
+  }
+  // Scores, block by block (no division per position).
+  for (int64_t p = p0; p < p1;) {
+    const int64_t b = p / bs;
+    const int64_t end = std::min<int64_t>(p1, (b + 1) * bs);
+    const fp16_t* kb = kv.k_base + table[b] * kv.block_stride + off;  // position b * bs
+    for (; p + 4 <= end; p += 4) {
+      __m256 a[G][4];
+      for (int t = 0; t < 4; ++t) {
+        const fp16_t* k = kb + (p + t - b * bs) * row;
+        __m256 kf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)k));
+        for (int g = 0; g < G; ++g) a[g][t] = _mm256_mul_ps(_mm256_loadu_ps(qs + g * hd), kf);
+        for (int j = 1; j < nv; ++j) {
+          kf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(k + 8 * j)));
+          for (int g = 0; g < G; ++g) a[g][t] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * hd + 8 * j), kf, a[g][t]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m128 d = hsum4(a[g][0], a[g][1], a[g][2], a[g][3]);
+        _mm_storeu_ps(sc + g * n + (p - p0), d);
+        vmx[g] = _mm_max_ps(vmx[g], d);
+      }
     }
-    // Softmax weights, vectorized; the sum in double so long contexts lose nothing.
+    for (; p < end; ++p) {
+      const fp16_t* k = kb + (p - b * bs) * row;
+      for (int g = 0; g < G; ++g) {
+        const float d = dot_f32_f16(qs + g * hd, k, hd);
+        sc[g * n + (p - p0)] = d;
+        mx[g] = std::max(mx[g], d);
+      }
+    }
+  }
+  // Weights exp(score - m), their sum in double so long contexts lose nothing.
+  for (int g = 0; g < G; ++g) {
+    float m4[4];
+    _mm_storeu_ps(m4, vmx[g]);
+    for (float v : m4) mx[g] = std::max(mx[g], v);
+    float* w = sc + g * n;
     double sum = 0.0;
-    int64_t p = 0;
-    const __m256 vmx = _mm256_set1_ps(mx);
-    for (; p + 8 <= n_pos; p += 8) {
-      const __m256 e = exp256_neg(_mm256_sub_ps(_mm256_loadu_ps(scratch + p), vmx));
-      _mm256_storeu_ps(scratch + p, e);
+    int64_t i = 0;
+    const __m256 vm = _mm256_set1_ps(mx[g]);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp256_neg(_mm256_sub_ps(_mm256_loadu_ps(w + i), vm));
+      _mm256_storeu_ps(w + i, e);
       sum += (double)hsum(e);
     }
-    for (; p < n_pos; ++p) {
-      const float e = std::exp(scratch[p] - mx);
-      scratch[p] = e;
-      sum += e;
+    for (; i < n; ++i) sum += (w[i] = std::exp(w[i] - mx[g]));
+    m[g] = mx[g];
+    l[g] = (float)sum;
+  }
+  // Weighted V rows, 4 vectors (one cache line) of each row at a time, G accumulators each.
+  for (int j0 = 0; j0 < nv; j0 += 4) {
+    const int w = std::min(4, nv - j0);
+    __m256 a[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
+    for (int64_t p = p0; p < p1;) {
+      const int64_t b = p / bs;
+      const int64_t end = std::min<int64_t>(p1, (b + 1) * bs);
+      const fp16_t* vb = kv.v_base + table[b] * kv.block_stride + off + 8 * j0;  // position b * bs
+      for (; p < end; ++p) {
+        const fp16_t* v = vb + (p - b * bs) * row;
+        __m256 wp[G];
+        for (int g = 0; g < G; ++g) wp[g] = _mm256_broadcast_ss(sc + g * n + (p - p0));
+        for (int j = 0; j < w; ++j) {
+          const __m256 vf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(v + 8 * j)));
+          for (int g = 0; g < G; ++g) a[g][j] = _mm256_fmadd_ps(wp[g], vf, a[g][j]);
+        }
+      }
     }
-    const float inv = (float)(1.0 / sum);
-    for (p = 0; p < n_pos; ++p) scratch[p] *= inv;
-    float* oh = out + (int64_t)h * hd;
-    const int64_t off = (int64_t)g * hd;
-    switch (hd) {
-      case 32: weighted_sum_f16<4>(oh, scratch, n_pos, kv, block_table, off); break;
-      case 64: weighted_sum_f16<8>(oh, scratch, n_pos, kv, block_table, off); break;
-      case 128: weighted_sum_f16<16>(oh, scratch, n_pos, kv, block_table, off); break;
-      default:
-        for (int i = 0; i < hd; ++i) oh[i] = 0.0f;
-        for (int64_t q = 0; q < n_pos; ++q)
-          axpy_f16(oh, scratch[q], kv.v_at(block_table[q / kv.block_size], (int)(q % kv.block_size)) + off, hd);
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < w; ++j) _mm256_storeu_ps(acc + g * hd + 8 * (j0 + j), a[g][j]);
+  }
+}
+
+// The same for any head_dim, one head at a time (head_dim not a multiple of 8).
+void partial_head_generic(const float* qs, int hd, int64_t p0, int64_t p1, const kv_layer_view& kv, const int32_t* table,
+                          int64_t off, float* m, float* l, float* acc, float* sc) {
+  const int bs = kv.block_size;
+  float mx = -INFINITY;
+  for (int64_t p = p0; p < p1; ++p) {
+    const float d = dot_f32_f16(qs, kv.k_at(table[p / bs], (int)(p % bs)) + off, hd);
+    sc[p - p0] = d;
+    mx = std::max(mx, d);
+  }
+  double sum = 0.0;
+  for (int i = 0; i < hd; ++i) acc[i] = 0.0f;
+  for (int64_t p = p0; p < p1; ++p) {
+    const float e = std::exp(sc[p - p0] - mx);
+    sum += e;
+    axpy_f16(acc, e, kv.v_at(table[p / bs], (int)(p % bs)) + off, hd);
+  }
+  *m = mx;
+  *l = (float)sum;
+}
+
+}  // namespace
+
+void attention_partial(const float* q, int n_heads, int64_t p0, int64_t p1, const kv_layer_view& kv,
+                       const int32_t* block_table, float scale, int h0, int h1, float* m, float* l, float* acc,
+                       float* scratch) {
+  const int hd = kv.head_dim;
+  const int group = n_heads / kv.n_kv_heads;
+  float* qs = scratch;                       // up to 4 scaled query rows
+  float* sc = scratch + 4 * (int64_t)hd;     // their scores
+  for (int h = h0; h < h1;) {
+    // The heads from h that share its KV head, at most 4.
+    const int kvh = h / group;
+    const int g = std::min({4, h1 - h, (kvh + 1) * group - h});
+    for (int64_t i = 0; i < (int64_t)g * hd; ++i) qs[i] = q[(int64_t)h * hd + i] * scale;
+    const int64_t off = (int64_t)kvh * hd;
+    float* mh = m + (h - h0);
+    float* lh = l + (h - h0);
+    float* ah = acc + (int64_t)(h - h0) * hd;
+    if (hd % 8 != 0) {
+      for (int i = 0; i < g; ++i)
+        partial_head_generic(qs + (int64_t)i * hd, hd, p0, p1, kv, block_table, off, mh + i, lh + i, ah + (int64_t)i * hd, sc);
+    } else {
+      switch (g) {
+        case 1: partial_group<1>(qs, hd, p0, p1, kv, block_table, off, mh, lh, ah, sc); break;
+        case 2: partial_group<2>(qs, hd, p0, p1, kv, block_table, off, mh, lh, ah, sc); break;
+        case 3: partial_group<3>(qs, hd, p0, p1, kv, block_table, off, mh, lh, ah, sc); break;
+        default: partial_group<4>(qs, hd, p0, p1, kv, block_table, off, mh, lh, ah, sc); break;
+      }
     }
+    h += g;
+  }
+}
+
+void attention_merge(int n_parts, int n_heads, int head_dim, const float* m, const float* l, const float* acc,
+                     float* out) {
+  for (int h = 0; h < n_heads; ++h) {
+    float mx = -INFINITY;
+    for (int i = 0; i < n_parts; ++i) mx = std::max(mx, m[(int64_t)i * n_heads + h]);
+    double den = 0.0;
+    float* o = out + (int64_t)h * head_dim;
+    for (int j = 0; j < head_dim; ++j) o[j] = 0.0f;
+    for (int i = 0; i < n_parts; ++i) {
+      const float f = std::exp(m[(int64_t)i * n_heads + h] - mx);
+      den += (double)f * l[(int64_t)i * n_heads + h];
+      const float* a = acc + ((int64_t)i * n_heads + h) * head_dim;
+      for (int j = 0; j < head_dim; ++j) o[j] += f * a[j];
+    }
+    const float inv = (float)(1.0 / den);
+    for (int j = 0; j < head_dim; ++j) o[j] *= inv;
+  }
+}
+
+void attention_row(const float* q, int n_heads, int64_t pos, const kv_layer_view& kv,
+                   const int32_t* block_table, float scale, float* out, int h0, int h1, float* scratch) {
+  const int n = h1 - h0;
+  float* m = scratch;
+  float* l = m + n;
+  attention_partial(q, n_heads, 0, pos + 1, kv, block_table, scale, h0, h1, m, l, out + (int64_t)h0 * kv.head_dim,
+                    l + n);
+  for (int h = 0; h < n; ++h) {
+    const float inv = 1.0f / l[h];
+    float* o = out + (int64_t)(h0 + h) * kv.head_dim;
+    for (int j = 0; j < kv.head_dim; ++j) o[j] *= inv;
   }
 }
 

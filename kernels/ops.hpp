@@ -43,9 +43,29 @@ struct kv_layer_view {
 
 /// Causal attention for one query row at position `pos` over positions [0, pos] of a sequence
 /// whose KV lives in the blocks of `block_table`. q: n_heads * head_dim floats; out likewise.
-/// Heads [h0, h1) only (callers split heads across threads). scratch: >= pos + 1 floats.
+/// Heads [h0, h1) only. scratch: >= attention_scratch_floats(h1 - h0, head_dim, pos + 1).
 void attention_row(const float* q, int n_heads, int64_t pos, const kv_layer_view& kv,
                    const int32_t* block_table, float scale, float* out, int h0, int h1, float* scratch);
+
+/// One part of a row's attention, over positions [p0, p1) (p0 < p1), for heads [h0, h1): per
+/// head (index h - h0) the largest scaled score m, l = sum over the part of exp(score - m) and
+/// acc = sum of exp(score - m) * V (head_dim floats, unnormalised). Parts of one row over
+/// disjoint ranges combine with attention_merge (flash-decoding on the CPU: a long context
+/// splits across threads). Query heads that share a KV head read each K and V row once.
+/// scratch: >= attention_scratch_floats(h1 - h0, head_dim, p1 - p0).
+void attention_partial(const float* q, int n_heads, int64_t p0, int64_t p1, const kv_layer_view& kv,
+                       const int32_t* block_table, float scale, int h0, int h1, float* m, float* l, float* acc,
+                       float* scratch);
+
+/// out[h] = sum_i exp(m_i[h] - M) acc_i[h] / sum_i exp(m_i[h] - M) l_i[h] over n_parts parts, M the
+/// largest m_i[h]; part i's values at m[i * n_heads + h], l likewise, acc[(i * n_heads + h) * head_dim].
+void attention_merge(int n_parts, int n_heads, int head_dim, const float* m, const float* l, const float* acc,
+                     float* out);
+
+/// Scratch floats attention_row / attention_partial need for n_heads heads over n_pos positions.
+inline int64_t attention_scratch_floats(int n_heads, int head_dim, int64_t n_pos) {
+  return 2 * (int64_t)n_heads + 4 * (int64_t)head_dim + 4 * (n_pos + 8);
+}
 
 /// Writes one position's K and V rows (floats, n_kv_heads * head_dim each) into the cache.
 void kv_store_row(const kv_layer_view& kv, int32_t block, int slot, const float* k, const float* v);

@@ -65,7 +65,7 @@ TEST_CASE("paged attention equals dense causal attention over the same K/V", "[o
   const int32_t table[10] = {5, 1, 6, 11, 0, 3, 9, 2, 8, 7};  // scattered blocks
   auto K = randn(n_pos * row, 4), V = randn(n_pos * row, 5), Q = randn(n_heads * hd, 6);
   for (int p = 0; p < n_pos; ++p) kv_store_row(kv, table[p / bs], p % bs, &K[p * row], &V[p * row]);
-  std::vector<float> out(n_heads * hd, NAN), scratch(n_pos);
+  std::vector<float> out(n_heads * hd, NAN), scratch(attention_scratch_floats(n_heads, hd, n_pos));
   const float scale = 1.0f / std::sqrt((float)hd);
   const int64_t pos = n_pos - 1;
   attention_row(Q.data(), n_heads, pos, kv, table, scale, out.data(), 0, n_heads, scratch.data());
@@ -86,6 +86,72 @@ TEST_CASE("paged attention equals dense causal attention over the same K/V", "[o
       REQUIRE(out[h * hd + i] == Approx(o).margin(1e-4));
     }
   }
+}
+
+namespace {
+
+// Dense causal attention in double over the fp16-rounded K/V rows [0, n_pos): n_heads * hd values.
+std::vector<double> dense_attention(const std::vector<float>& Q, const std::vector<float>& K, const std::vector<float>& V,
+                                    int n_heads, int n_kv, int hd, int n_pos, double scale) {
+  const int64_t row = (int64_t)n_kv * hd;
+  std::vector<double> out((size_t)n_heads * hd, 0.0);
+  for (int h = 0; h < n_heads; ++h) {
+    const int g = h / (n_heads / n_kv);
+    std::vector<double> s(n_pos);
+    double mx = -1e300, sum = 0;
+    for (int p = 0; p < n_pos; ++p) {
+      double d = 0;
+      for (int i = 0; i < hd; ++i) d += (double)Q[h * hd + i] * fp16_to_f32(f32_to_fp16(K[p * row + g * hd + i]));
+      s[p] = d * scale;
+      mx = std::max(mx, s[p]);
+    }
+    for (auto& v : s) sum += (v = std::exp(v - mx));
+    for (int i = 0; i < hd; ++i)
+      for (int p = 0; p < n_pos; ++p) out[h * hd + i] += s[p] / sum * fp16_to_f32(f32_to_fp16(V[p * row + g * hd + i]));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("attention split into parts and merged equals dense attention, for any head grouping", "[ops]") {
+  // Query heads per KV head 1, 3, 4, 7 (two sub-groups: 4 + 3) and 8 (4 + 4); head dims on the
+  // generic path (20), one cache line (32), 64, 80 (a short last line) and 128.
+  const auto [n_heads, n_kv] = GENERATE(std::pair(4, 4), std::pair(6, 2), std::pair(8, 2), std::pair(14, 2), std::pair(16, 2));
+  const int hd = GENERATE(20, 32, 64, 80, 128);
+  const int bs = 16, n_pos = 77, n_blocks = 6;
+  const int64_t row = (int64_t)n_kv * hd;
+  std::vector<fp16_t> mem((size_t)n_blocks * 2 * bs * row);
+  kv_layer_view kv{mem.data(), mem.data() + bs * row, 2 * bs * row, bs, n_kv, hd};
+  const int32_t table[5] = {3, 0, 5, 1, 4};
+  auto K = randn(n_pos * row, 11), V = randn(n_pos * row, 12), Q = randn((size_t)n_heads * hd, 13);
+  for (int p = 0; p < n_pos; ++p) kv_store_row(kv, table[p / bs], p % bs, &K[p * row], &V[p * row]);
+  const float scale = 1.0f / std::sqrt((float)hd);
+  const std::vector<double> want = dense_attention(Q, K, V, n_heads, n_kv, hd, n_pos, scale);
+  INFO("heads " << n_heads << "/" << n_kv << ", head_dim " << hd);
+
+  // Parts that start and end inside blocks, of 1, 3 and 5 positions, and across blocks.
+  const std::vector<int64_t> cuts = {0, 1, 4, 5, 18, 21, 48, 77};
+  const int n_parts = (int)cuts.size() - 1;
+  std::vector<float> m((size_t)n_parts * n_heads, NAN), l(m), acc((size_t)n_parts * n_heads * hd, NAN);
+  std::vector<float> scratch(attention_scratch_floats(n_heads, hd, n_pos), NAN);
+  for (int i = 0; i < n_parts; ++i)
+    attention_partial(Q.data(), n_heads, cuts[i], cuts[i + 1], kv, table, scale, 0, n_heads, &m[(size_t)i * n_heads],
+                      &l[(size_t)i * n_heads], &acc[(size_t)i * n_heads * hd], scratch.data());
+  std::vector<float> out((size_t)n_heads * hd, NAN);
+  attention_merge(n_parts, n_heads, hd, m.data(), l.data(), acc.data(), out.data());
+  for (size_t i = 0; i < out.size(); ++i) REQUIRE(out[i] == Approx(want[i]).margin(1e-4));
+
+  // One part over everything, for a range of heads that starts and ends inside KV-head groups.
+  const int h0 = 1, h1 = n_heads - 1;
+  std::vector<float> row_out((size_t)n_heads * hd, NAN);
+  attention_row(Q.data(), n_heads, n_pos - 1, kv, table, scale, row_out.data(), h0, h1, scratch.data());
+  for (int h = 0; h < n_heads; ++h)
+    for (int i = 0; i < hd; ++i) {
+      const float v = row_out[(size_t)h * hd + i];
+      if (h < h0 || h >= h1) REQUIRE(std::isnan(v));  // other heads untouched
+      else REQUIRE(v == Approx(want[(size_t)h * hd + i]).margin(1e-4));
+    }
 }
 
 TEST_CASE("swiglu is silu(gate) * up", "[ops]") {

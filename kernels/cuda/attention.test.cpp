@@ -125,7 +125,7 @@ double run_case(const attn_case& c, uint64_t seed) {
   view.n_kv_heads = c.n_kv_heads;
   view.head_dim = hd;
   std::vector<float> want((size_t)n_tokens * c.n_heads * hd);
-  std::vector<float> scratch(max_kv_len);
+  std::vector<float> scratch((size_t)cpu::attention_scratch_floats(c.n_heads, hd, max_kv_len));
   for (int t = 0; t < n_tokens; ++t) {
     const int si = token_seq[t];
     cpu::attention_row(q.data() + (size_t)t * c.n_heads * hd, c.n_heads, token_pos[t], view,

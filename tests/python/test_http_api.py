@@ -154,10 +154,14 @@ def test_seed_reproducible(client):
 
 def test_stop_strings(client):
     full = greedy(client, max_tokens=16).choices[0].text
-    cut = full.index(" United")  # the greedy continuation: " Paris.\n\nThe United States ..."
-    r = greedy(client, max_tokens=16, stop=[" United", "never-there"])
+    # The stop string: a word of the greedy continuation after its first line (" Paris.\n\n..."),
+    # found nowhere before, so the answer must end just before it.
+    words = [w for w in full.split(" ") if w]
+    stop = next(" " + w for w in words[2:] if full.index(" " + w) > full.index("\n") and full.count(" " + w) == 1)
+    cut = full.index(stop)
+    r = greedy(client, max_tokens=16, stop=[stop, "never-there"])
     assert r.choices[0].text == full[:cut] and r.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].text for c in greedy(client, max_tokens=16, stop=" United", stream=True) if c.choices)
+    streamed = "".join(c.choices[0].text for c in greedy(client, max_tokens=16, stop=stop, stream=True) if c.choices)
     assert streamed == full[:cut]
 
 
