@@ -7,9 +7,7 @@
 #include <stdexcept>
 
 #include "actors/runtime.hpp"
-#ifdef TROUPE_HAVE_CUDA
-#include "kernels/cuda/cuda_kernels.hpp"
-#endif
+#include "engine/device_module.hpp"
 
 namespace troupe::actors {
 
@@ -111,16 +109,17 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   if (o.n_threads < 1) throw std::invalid_argument("n_threads must be at least 1");
   if (o.kv_block_size < 1) throw std::invalid_argument("kv_block_size must be at least 1");
   if (auto err = validate(o.sched); !err.empty()) throw std::invalid_argument(err);
-#ifdef TROUPE_HAVE_CUDA
   if (o.cuda_device >= 0) {  // refuse at start, not by opening the circuit after failed restarts
-    const int n = kernels::cuda::device_count();
+    int n = 0;
+    try {
+      n = engine::cuda_device_count();  // loads the CUDA module
+    } catch (const std::runtime_error& e) {
+      throw std::invalid_argument(e.what());
+    }
     if (o.cuda_device >= n)
       throw std::invalid_argument("no CUDA device " + std::to_string(o.cuda_device) + ": this machine has " + std::to_string(n) +
                                   " usable (a driver and a GPU are needed; use the CPU)");
   }
-#else
-  if (o.cuda_device >= 0) throw std::invalid_argument("this build has no CUDA backend (nvcc was not found when it was configured): use the CPU");
-#endif
   auto p = std::make_unique<impl>();
   p->model = std::shared_ptr<const engine::model>(engine::model::load(o.model_path));
   const auto& hp = p->model->hparams();

@@ -13,11 +13,9 @@
 #include <unordered_map>
 
 #include "actors/runtime.hpp"
+#include "engine/device_module.hpp"
 #include "engine/forward.hpp"
 #include "kernels/thread_pool.hpp"
-#ifdef TROUPE_HAVE_CUDA
-#include "engine/cuda/cuda_forward.hpp"
-#endif
 
 namespace troupe::actors {
 
@@ -110,18 +108,18 @@ class cpu_backend final : public backend {
   size_t bytes_;
 };
 
-#ifdef TROUPE_HAVE_CUDA
-// A CUDA device: weights, KV pool and pinned host swap pool owned by engine::cuda::cuda_forward;
-// copies go on its copy stream, which the next forward waits for.
+// A CUDA device, through the module (engine/device_module.hpp): weights, KV pool and pinned host
+// swap pool owned by engine::cuda::cuda_forward; copies go on its copy stream, which the next
+// forward waits for.
 class cuda_backend final : public backend {
  public:
-  explicit cuda_backend(const executor_config& c) : opt_(options(c)), fwd_(*c.model, opt_) {}
+  explicit cuda_backend(const executor_config& c) : fwd_(engine::open_cuda_forward(*c.model, options(c))) {}
 
-  void copy_blocks(const std::vector<engine::block_copy>& copies) override { fwd_.copy_blocks(copies); }
-  const std::vector<float>& forward(std::span<const engine::seq_chunk> batch) override { return fwd_.forward(batch); }
+  void copy_blocks(const std::vector<engine::block_copy>& copies) override { fwd_->copy_blocks(copies); }
+  const std::vector<float>& forward(std::span<const engine::seq_chunk> batch) override { return fwd_->forward(batch); }
 
   bool samples_on_device(size_t rows, size_t window_tokens) const override {
-    return rows <= (size_t)opt_.max_logit_rows && window_tokens <= (size_t)opt_.max_history_tokens;
+    return rows <= (size_t)fwd_->max_logit_rows() && window_tokens <= (size_t)fwd_->max_history_tokens();
   }
   std::vector<engine::token_id> forward_sample(std::span<const engine::seq_chunk> batch,
                                                std::span<const device_sample_row> rows) override {
@@ -136,12 +134,12 @@ class cuda_backend final : public backend {
       any_history = any_history || !r.penalty_window.empty();
     }
     if (!any_history) histories_.clear();
-    return fwd_.forward_sample(batch, params_, histories_);
+    return fwd_->forward_sample(batch, params_, histories_);
   }
 
  private:
-  static engine::cuda::cuda_options options(const executor_config& c) {
-    engine::cuda::cuda_options o;
+  static engine::device_forward_options options(const executor_config& c) {
+    engine::device_forward_options o;
     o.device = c.cuda_device;
     o.n_blocks = c.n_device_blocks;  // the scheduler's block manager addresses exactly these
     o.n_host_blocks = c.n_host_blocks;
@@ -153,21 +151,15 @@ class cuda_backend final : public backend {
     o.max_logit_rows = c.max_seqs;
     return o;
   }
-  engine::cuda::cuda_options opt_;
-  engine::cuda::cuda_forward fwd_;
-  std::vector<kernels::cuda::sample_row_params> params_;
+  std::unique_ptr<engine::device_forward> fwd_;
+  std::vector<engine::device_sample_params> params_;
   std::vector<std::span<const int32_t>> histories_;
 };
-#endif
 
 std::unique_ptr<backend> make_backend(const executor_config& c) {
   if (!c.fail_start.empty()) throw std::runtime_error(c.fail_start);
   if (c.cuda_device < 0) return std::make_unique<cpu_backend>(c);
-#ifdef TROUPE_HAVE_CUDA
   return std::make_unique<cuda_backend>(c);
-#else
-  throw std::invalid_argument("this build has no CUDA backend");
-#endif
 }
 
 struct executor_state {

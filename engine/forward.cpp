@@ -54,20 +54,17 @@ void cpu_forward::resize(int64_t n) {
   grow(cos_sin_, n * hp.n_rot);
 }
 
-// Splits each row's positions [0, pos] into parts of whole blocks: long enough that a part's
-// fixed costs stay small (>= 64 positions), short enough that the step has several parts per
-// thread, so a decode at a long context spreads over every thread (flash-decoding) while a
-// prefill's many rows mostly keep one part each. When parts are still fewer than two per thread
-// (short contexts), each part's KV heads are split into items too. Items are taken longest
-// first, one at a time, so a prefill's causal rows (row r attends to r + 1 positions) balance.
+// Splits each row's positions [0, pos] into parts of attention_part_positions, so a decode at a
+// long context spreads over the threads (flash-decoding). The split depends on the row alone,
+// never on the rest of the batch: a row's logits stay bit-identical whatever shares its step.
+// When parts are fewer than two per thread (short contexts), each part's KV heads are split into
+// items too (heads are independent: no effect on the numbers). Items are taken longest first,
+// one at a time, so a prefill's causal rows (row r attends to r + 1 positions) balance.
 void cpu_forward::plan_attention(int64_t n) {
   const auto& hp = m_.hparams();
-  const int64_t bs = kv_.shape().block_size;
   const int64_t nth = pool_.size();
-  int64_t total = 0, max_len = 0;
-  for (int64_t r = 0; r < n; ++r) total += pos_[(size_t)r] + 1;
-  int64_t len = std::max<int64_t>(64, total / (nth * 8));
-  len = (len + bs - 1) / bs * bs;
+  const int64_t len = attention_part_positions;
+  int64_t max_len = 0;
   parts_.clear();
   row_parts_.assign((size_t)n + 1, 0);
   for (int64_t r = 0; r < n; ++r) {

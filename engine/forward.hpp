@@ -33,6 +33,9 @@ void validate_batch(std::span<const seq_chunk> batch, int n_vocab, int block_siz
 
 class cpu_forward {
  public:
+  /// Positions per part of a row's attention (the parts are merged; see plan_attention).
+  static constexpr int64_t attention_part_positions = 256;
+
   cpu_forward(const model& m, kv_storage& kv, kernels::thread_pool& pool);
 
   /// Runs one step. Returns the logits rows, n_vocab floats each, in batch order: every token of

@@ -102,6 +102,10 @@ if [[ $serve_bin != none ]]; then
   [[ -x $serve_bin ]] || { echo "no $serve_bin: build first (scripts/test.sh) or set SERVE_BIN=none" >&2; exit 1; }
   mkdir -p "$carry/stage/bin" "$carry/stage/lib"
   cp "$serve_bin" "$carry/stage/bin/troupe"
+  # Its CUDA backend, the module it loads from beside itself for --device cuda.
+  module="$(dirname "$serve_bin")/libtroupe_cuda.so"
+  [[ -f $module ]] || { echo "no $module: the build did not find nvcc" >&2; exit 1; }
+  cp "$module" "$carry/stage/bin/"
   # Every non-system library it links except CUDA's (the image has its own CUDA 13).
   ldd "$serve_bin" | awk '$3 ~ /^\// {print $3}' |
     grep -vE '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/cuda/' |

@@ -78,6 +78,31 @@ TEST_CASE("logits of a sequence do not depend on the batch around it", "[engine]
   REQUIRE(std::equal(alone.begin(), alone.begin() + (ptrdiff_t)n, mixed.begin() + hp.n_vocab));
 }
 
+TEST_CASE("a long context's attention parts do not depend on the batch around it", "[engine][model]") {
+  // A decode over 601 positions (three attention parts) alone, then with a 700-token prefill in
+  // the same step: its logits stay bit-identical.
+  const model& m = default_model();
+  const auto& hp = m.hparams();
+  kv_storage kv({hp.n_layers, hp.n_kv_heads, hp.head_dim, 16}, 96);
+  troupe::kernels::thread_pool pool(2);
+  cpu_forward fwd(m, kv, pool);
+  std::vector<token_id> a(601), b(700);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = (token_id)(100 + (i * 7919) % 40000);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = (token_id)(200 + (i * 104729) % 40000);
+  std::vector<int32_t> ta(38), tb(44);
+  for (int32_t i = 0; i < 38; ++i) ta[(size_t)i] = i;
+  for (int32_t i = 0; i < 44; ++i) tb[(size_t)i] = 38 + i;
+  seq_chunk prefill{std::span(a).first(600), 0, ta, false, true};
+  fwd.forward(std::span(&prefill, 1));
+  seq_chunk decode{std::span(a).subspan(600, 1), 600, ta};
+  const std::vector<float> alone = fwd.forward(std::span(&decode, 1));
+  seq_chunk batch[2] = {{b, 0, tb, false, true}, {std::span(a).subspan(600, 1), 600, ta}};
+  const std::vector<float>& mixed = fwd.forward(batch);
+  REQUIRE(alone.size() == (size_t)hp.n_vocab);
+  REQUIRE(mixed.size() == (size_t)hp.n_vocab);
+  REQUIRE(std::equal(alone.begin(), alone.end(), mixed.begin()));
+}
+
 TEST_CASE("impossible requests are refused with a clear reason", "[engine][model]") {
   const model& m = default_model();
   generator g(m, {1, 64, 16, 512});
