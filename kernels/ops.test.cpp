@@ -53,41 +53,6 @@ TEST_CASE("rope rotates the right pairs in both conventions", "[ops]") {
   }
 }
 
-TEST_CASE("paged attention equals dense causal attention over the same K/V", "[ops]") {
-  const int hd = GENERATE(24, 32, 64, 128);  // generic path and each register-blocked size
-  const int n_pos = GENERATE(1, 11, 40);      // under and over the 8-wide softmax loop
-  const int n_heads = 6, n_kv = 2, bs = 4;
-  const int n_blocks = 12;
-  const int64_t row = n_kv * hd;
-  // One layer, blocks laid out as kv_storage does: [block][K rows | V rows].
-  std::vector<fp16_t> mem((size_t)n_blocks * 2 * bs * row);
-  kv_layer_view kv{mem.data(), mem.data() + bs * row, 2 * bs * row, bs, n_kv, hd};
-  const int32_t table[10] = {5, 1, 6, 11, 0, 3, 9, 2, 8, 7};  // scattered blocks
-  auto K = randn(n_pos * row, 4), V = randn(n_pos * row, 5), Q = randn(n_heads * hd, 6);
-  for (int p = 0; p < n_pos; ++p) kv_store_row(kv, table[p / bs], p % bs, &K[p * row], &V[p * row]);
-  std::vector<float> out(n_heads * hd, NAN), scratch(attention_scratch_floats(n_heads, hd, n_pos));
-  const float scale = 1.0f / std::sqrt((float)hd);
-  const int64_t pos = n_pos - 1;
-  attention_row(Q.data(), n_heads, pos, kv, table, scale, out.data(), 0, n_heads, scratch.data());
-  for (int h = 0; h < n_heads; ++h) {
-    const int g = h / (n_heads / n_kv);
-    std::vector<double> s(n_pos);
-    double mx = -1e30, sum = 0;
-    for (int p = 0; p < n_pos; ++p) {
-      double d = 0;
-      for (int i = 0; i < hd; ++i) d += (double)Q[h * hd + i] * fp16_to_f32(f32_to_fp16(K[p * row + g * hd + i]));
-      s[p] = d * scale;
-      mx = std::max(mx, s[p]);
-    }
-    for (auto& v : s) sum += (v = std::exp(v - mx));
-    for (int i = 0; i < hd; ++i) {
-      double o = 0;
-      for (int p = 0; p < n_pos; ++p) o += s[p] / sum * fp16_to_f32(f32_to_fp16(V[p * row + g * hd + i]));
-      REQUIRE(out[h * hd + i] == Approx(o).margin(1e-4));
-    }
-  }
-}
-
 namespace {
 
 // Dense causal attention in double over the fp16-rounded K/V rows [0, n_pos): n_heads * hd values.
@@ -113,6 +78,26 @@ std::vector<double> dense_attention(const std::vector<float>& Q, const std::vect
 }
 
 }  // namespace
+
+TEST_CASE("paged attention equals dense causal attention over the same K/V", "[ops]") {
+  const int hd = GENERATE(24, 32, 64, 128);  // generic path and each register-blocked size
+  const int n_pos = GENERATE(1, 11, 40);      // under and over the 8-wide softmax loop
+  const int n_heads = 6, n_kv = 2, bs = 4;
+  const int n_blocks = 12;
+  const int64_t row = n_kv * hd;
+  // One layer, blocks laid out as kv_storage does: [block][K rows | V rows].
+  std::vector<fp16_t> mem((size_t)n_blocks * 2 * bs * row);
+  kv_layer_view kv{mem.data(), mem.data() + bs * row, 2 * bs * row, bs, n_kv, hd};
+  const int32_t table[10] = {5, 1, 6, 11, 0, 3, 9, 2, 8, 7};  // scattered blocks
+  auto K = randn(n_pos * row, 4), V = randn(n_pos * row, 5), Q = randn(n_heads * hd, 6);
+  for (int p = 0; p < n_pos; ++p) kv_store_row(kv, table[p / bs], p % bs, &K[p * row], &V[p * row]);
+  std::vector<float> out(n_heads * hd, NAN), scratch(attention_scratch_floats(n_heads, hd, n_pos));
+  const float scale = 1.0f / std::sqrt((float)hd);
+  const int64_t pos = n_pos - 1;
+  attention_row(Q.data(), n_heads, pos, kv, table, scale, out.data(), 0, n_heads, scratch.data());
+  const std::vector<double> want = dense_attention(Q, K, V, n_heads, n_kv, hd, n_pos, scale);
+  for (size_t i = 0; i < out.size(); ++i) REQUIRE(out[i] == Approx(want[i]).margin(1e-4));
+}
 
 TEST_CASE("attention split into parts and merged equals dense attention, for any head grouping", "[ops]") {
   // Query heads per KV head 1, 3, 4, 7 (two sub-groups: 4 + 3) and 8 (4 + 4); head dims on the
