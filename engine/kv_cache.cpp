@@ -5,14 +5,15 @@
 namespace troupe::engine {
 
 kv_storage::kv_storage(const kv_shape& shape, int32_t n_blocks)
-    : shape_(shape), n_blocks_(n_blocks), data_((size_t)(shape.block_elems() * n_blocks)) {
+    : shape_(shape), n_blocks_(n_blocks) {
   if (n_blocks <= 0 || shape.block_size <= 0) throw std::invalid_argument("kv_storage: empty cache");
+  data_ = std::make_unique_for_overwrite<kernels::fp16_t[]>((size_t)(shape.block_elems() * n_blocks));
 }
 
 kernels::kv_layer_view kv_storage::layer(int il) {
   kernels::kv_layer_view v;
   const int64_t layer_elems = 2LL * shape_.block_size * shape_.row_elems();
-  v.k_base = data_.data() + il * layer_elems;
+  v.k_base = data_.get() + il * layer_elems;
   v.v_base = v.k_base + layer_elems / 2;
   v.block_stride = shape_.block_elems();
   v.block_size = shape_.block_size;

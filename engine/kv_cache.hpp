@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <memory>
 #include <vector>
 
 #include "kernels/ggml_types.hpp"
@@ -27,7 +28,10 @@ struct kv_shape {
   int64_t block_bytes() const { return block_elems() * (int64_t)sizeof(kernels::fp16_t); }
 };
 
-/// The memory of a paged KV cache. Owns n_blocks blocks; says nothing about who uses them.
+/// The memory of a paged KV cache. Owns n_blocks blocks; says nothing about who uses them. The
+/// memory is not initialised (every position is written before it is read), so the system
+/// commits a block's pages when it is first written: an idle server with a large cache, or a
+/// swap pool never swapped into, costs address space, not resident memory.
 class kv_storage {
  public:
   kv_storage(const kv_shape& shape, int32_t n_blocks);
@@ -36,12 +40,12 @@ class kv_storage {
   /// View of layer `il` over all blocks, as the attention kernel reads it.
   kernels::kv_layer_view layer(int il);
   /// Start of block b (block_elems() fp16 values), for copies (swap, copy-on-write).
-  kernels::fp16_t* block_data(int32_t b) { return data_.data() + (int64_t)b * shape_.block_elems(); }
+  kernels::fp16_t* block_data(int32_t b) { return data_.get() + (int64_t)b * shape_.block_elems(); }
 
  private:
   kv_shape shape_;
   int32_t n_blocks_;
-  std::vector<kernels::fp16_t> data_;
+  std::unique_ptr<kernels::fp16_t[]> data_;
 };
 
 /// Reference-counted block ids over [0, n_blocks): allocate, share (fork), release.
