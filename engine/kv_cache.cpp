@@ -19,6 +19,8 @@ kernels::kv_layer_view kv_storage::layer(int il) {
   v.block_size = shape_.block_size;
   v.n_kv_heads = shape_.n_kv_heads;
   v.head_dim = shape_.head_dim;
+  v.slot_stride = shape_.head_dim;                                // head-major: [head][slot][dim]
+  v.head_stride = (int64_t)shape_.block_size * shape_.head_dim;
   return v;
 }
 

@@ -2,7 +2,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <set>
+#include <vector>
 
 using namespace troupe::engine;
 
@@ -34,24 +36,28 @@ TEST_CASE("block_allocator reference counts shared blocks", "[kv]") {
   REQUIRE_THROWS_AS(a.retain(b), std::logic_error);
 }
 
-TEST_CASE("kv_storage layer views address disjoint K and V rows of each block", "[kv]") {
+TEST_CASE("kv_storage layer views tile each block with disjoint, head-major K and V rows", "[kv]") {
   kv_shape s{3, 2, 8, 4};
   kv_storage kv(s, 5);
-  std::set<const void*> seen;
+  // Every element of the storage belongs to exactly one (layer, block, slot, head, K or V) row.
+  std::vector<int> hits((size_t)(s.block_elems() * 5), 0);
+  const auto* base = kv.block_data(0);
   for (int il = 0; il < 3; ++il) {
     auto v = kv.layer(il);
     for (int32_t b = 0; b < 5; ++b)
-      for (int slot = 0; slot < 4; ++slot) {
-        REQUIRE(seen.insert(v.k_at(b, slot)).second);
-        REQUIRE(seen.insert(v.v_at(b, slot)).second);
-        // Every row lies inside its block's contiguous range.
-        const auto* lo = kv.block_data(b);
-        const auto* hi = lo + s.block_elems();
-        REQUIRE(v.k_at(b, slot) >= lo);
-        REQUIRE(v.v_at(b, slot) + s.row_elems() <= hi);
-      }
+      for (int slot = 0; slot < 4; ++slot)
+        for (int h = 0; h < 2; ++h)
+          for (const auto* row : {v.k_at(b, slot, h), v.v_at(b, slot, h)}) {
+            // Inside its block's contiguous range (one copy swaps the block).
+            REQUIRE(row >= kv.block_data(b));
+            REQUIRE(row + s.head_dim <= kv.block_data(b) + s.block_elems());
+            for (int i = 0; i < s.head_dim; ++i) ++hits[(size_t)(row - base + i)];
+          }
+    // Head-major: one head's positions of a block are contiguous.
+    REQUIRE(v.k_at(1, 1, 1) == v.k_at(1, 0, 1) + s.head_dim);
+    REQUIRE(v.k_at(1, 0, 1) == v.k_at(1, 0, 0) + s.block_size * s.head_dim);
   }
-  REQUIRE((int64_t)seen.size() == 3 * 5 * 4 * 2);
+  REQUIRE(std::all_of(hits.begin(), hits.end(), [](int n) { return n == 1; }));
   REQUIRE(kv_blocks_for(0, 16) == 0);
   REQUIRE(kv_blocks_for(16, 16) == 1);
   REQUIRE(kv_blocks_for(17, 16) == 2);

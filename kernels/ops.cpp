@@ -111,9 +111,10 @@ void swiglu(float* gate, const float* up, int64_t n) {
 }
 
 void kv_store_row(const kv_layer_view& kv, int32_t block, int slot, const float* k, const float* v) {
-  const int n = kv.n_kv_heads * kv.head_dim;
-  store_f16(kv.k_at(block, slot), k, n);
-  store_f16(kv.v_at(block, slot), v, n);
+  for (int h = 0; h < kv.n_kv_heads; ++h) {
+    store_f16(kv.k_at(block, slot, h), k + (int64_t)h * kv.head_dim, kv.head_dim);
+    store_f16(kv.v_at(block, slot, h), v + (int64_t)h * kv.head_dim, kv.head_dim);
+  }
 }
 
 namespace {
@@ -124,7 +125,8 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// G (<= 4) query heads that share the KV head at `off`, over positions [p0, p1) (p1 > p0):
+// G (<= 4) query heads that share the KV head at offset `off` (elements from slot 0 of a block),
+// over positions [p0, p1) (p1 > p0):
 // per head the largest score m, l = sum of exp(score - m), acc = sum of exp(score - m) * V
 // (unnormalised). qs: the G heads' rows, scaled, G * hd floats (hd a multiple of 8). Each K and
 // V row is loaded and converted once for all G heads; positions go 4 at a time through one
@@ -133,7 +135,7 @@ template <int G>
 void partial_group(const float* qs, int hd, int64_t p0, int64_t p1, const kv_layer_view& kv, const int32_t* table,
                    int64_t off, float* m, float* l, float* acc, float* sc) {
   const int nv = hd / 8;
-  const int64_t row = (int64_t)kv.n_kv_heads * kv.head_dim;
+  const int64_t row = kv.slot_step();
   const int64_t n = p1 - p0;
   const int bs = kv.block_size;
   __m128 vmx[G];
@@ -222,7 +224,7 @@ void partial_head_generic(const float* qs, int hd, int64_t p0, int64_t p1, const
   const int bs = kv.block_size;
   float mx = -INFINITY;
   for (int64_t p = p0; p < p1; ++p) {
-    const float d = dot_f32_f16(qs, kv.k_at(table[p / bs], (int)(p % bs)) + off, hd);
+    const float d = dot_f32_f16(qs, kv.k_at(table[p / bs], (int)(p % bs), 0) + off, hd);
     sc[p - p0] = d;
     mx = std::max(mx, d);
   }
@@ -231,7 +233,7 @@ void partial_head_generic(const float* qs, int hd, int64_t p0, int64_t p1, const
   for (int64_t p = p0; p < p1; ++p) {
     const float e = std::exp(sc[p - p0] - mx);
     sum += e;
-    axpy_f16(acc, e, kv.v_at(table[p / bs], (int)(p % bs)) + off, hd);
+    axpy_f16(acc, e, kv.v_at(table[p / bs], (int)(p % bs), 0) + off, hd);
   }
   *m = mx;
   *l = (float)sum;
@@ -251,7 +253,7 @@ void attention_partial(const float* q, int n_heads, int64_t p0, int64_t p1, cons
     const int kvh = h / group;
     const int g = std::min({4, h1 - h, (kvh + 1) * group - h});
     for (int64_t i = 0; i < (int64_t)g * hd; ++i) qs[i] = q[(int64_t)h * hd + i] * scale;
-    const int64_t off = (int64_t)kvh * hd;
+    const int64_t off = kvh * kv.head_step();
     float* mh = m + (h - h0);
     float* lh = l + (h - h0);
     float* ah = acc + (int64_t)(h - h0) * hd;

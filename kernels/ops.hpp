@@ -28,8 +28,12 @@ void rope_cos_sin(int64_t pos, int n_rot, float base, const float* freq_factors,
 /// gate[i] = silu(gate[i]) * up[i], n elements.
 void swiglu(float* gate, const float* up, int64_t n);
 
-/// A paged KV cache view for one layer: block b holds K and V for block_size positions, each
-/// position n_kv_heads * head_dim fp16 values; k_of(b) / v_of(b) = base + b * block_stride.
+/// A paged KV cache view for one layer: block b holds K and V for block_size positions of
+/// n_kv_heads heads, head_dim fp16 values each. K of (block, slot, head) is at
+/// k_base + block * block_stride + slot * slot_step() + head * head_step(); V likewise.
+/// Strides 0 mean slot-major rows (all heads of a position together, as the CUDA cache lays
+/// them out); engine::kv_storage lays each head's positions out together (head-major), so one
+/// KV head's rows of a block are contiguous for the attention kernels.
 struct kv_layer_view {
   fp16_t* k_base = nullptr;
   fp16_t* v_base = nullptr;
@@ -37,8 +41,16 @@ struct kv_layer_view {
   int block_size = 0;
   int n_kv_heads = 0;
   int head_dim = 0;
-  fp16_t* k_at(int32_t block, int slot) const { return k_base + block * block_stride + (int64_t)slot * n_kv_heads * head_dim; }
-  fp16_t* v_at(int32_t block, int slot) const { return v_base + block * block_stride + (int64_t)slot * n_kv_heads * head_dim; }
+  int64_t slot_stride = 0;  // between positions of one head (0: n_kv_heads * head_dim)
+  int64_t head_stride = 0;  // between heads of one position (0: head_dim)
+  int64_t slot_step() const { return slot_stride ? slot_stride : (int64_t)n_kv_heads * head_dim; }
+  int64_t head_step() const { return head_stride ? head_stride : head_dim; }
+  fp16_t* k_at(int32_t block, int slot, int head) const {
+    return k_base + block * block_stride + slot * slot_step() + head * head_step();
+  }
+  fp16_t* v_at(int32_t block, int slot, int head) const {
+    return v_base + block * block_stride + slot * slot_step() + head * head_step();
+  }
 };
 
 /// Causal attention for one query row at position `pos` over positions [0, pos] of a sequence

@@ -104,16 +104,21 @@ TEST_CASE("attention split into parts and merged equals dense attention, for any
   // generic path (20), one cache line (32), 64, 80 (a short last line) and 128.
   const auto [n_heads, n_kv] = GENERATE(std::pair(4, 4), std::pair(6, 2), std::pair(8, 2), std::pair(14, 2), std::pair(16, 2));
   const int hd = GENERATE(20, 32, 64, 80, 128);
+  const bool head_major = GENERATE(false, true);  // the CUDA cache's rows, engine::kv_storage's
   const int bs = 16, n_pos = 77, n_blocks = 6;
   const int64_t row = (int64_t)n_kv * hd;
   std::vector<fp16_t> mem((size_t)n_blocks * 2 * bs * row);
   kv_layer_view kv{mem.data(), mem.data() + bs * row, 2 * bs * row, bs, n_kv, hd};
+  if (head_major) {
+    kv.slot_stride = hd;
+    kv.head_stride = (int64_t)bs * hd;
+  }
   const int32_t table[5] = {3, 0, 5, 1, 4};
   auto K = randn(n_pos * row, 11), V = randn(n_pos * row, 12), Q = randn((size_t)n_heads * hd, 13);
   for (int p = 0; p < n_pos; ++p) kv_store_row(kv, table[p / bs], p % bs, &K[p * row], &V[p * row]);
   const float scale = 1.0f / std::sqrt((float)hd);
   const std::vector<double> want = dense_attention(Q, K, V, n_heads, n_kv, hd, n_pos, scale);
-  INFO("heads " << n_heads << "/" << n_kv << ", head_dim " << hd);
+  INFO("heads " << n_heads << "/" << n_kv << ", head_dim " << hd << (head_major ? ", head-major" : ", slot-major"));
 
   // Parts that start and end inside blocks, of 1, 3 and 5 positions, and across blocks.
   const std::vector<int64_t> cuts = {0, 1, 4, 5, 18, 21, 48, 77};
