@@ -37,12 +37,17 @@ void validate_batch(std::span<const seq_chunk> batch, int n_vocab, int block_siz
   }
 }
 
+namespace {
+
+void grow(std::vector<float>& v, int64_t size) {
+  if ((int64_t)v.size() < size) v.resize((size_t)size);
+}
+
+}  // namespace
+
 void cpu_forward::resize(int64_t n) {
   const auto& hp = m_.hparams();
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim, kvd = (int64_t)hp.n_kv_heads * hp.head_dim;
-  auto grow = [](std::vector<float>& v, int64_t size) {
-    if ((int64_t)v.size() < size) v.resize((size_t)size);
-  };
   grow(x_, n * d);
   grow(h_, n * d);
   grow(q_, n * qd);
@@ -91,9 +96,6 @@ void cpu_forward::plan_attention(int64_t n) {
     return (parts_[(size_t)it.part].p1 - parts_[(size_t)it.part].p0) * (it.h1 - it.h0);
   };
   std::stable_sort(items_.begin(), items_.end(), [&](const attn_item& a, const attn_item& b) { return cost(a) > cost(b); });
-  auto grow = [](std::vector<float>& v, int64_t size) {
-    if ((int64_t)v.size() < size) v.resize((size_t)size);
-  };
   grow(part_m_, n_parts * hp.n_heads);
   grow(part_l_, n_parts * hp.n_heads);
   grow(part_acc_, n_parts * hp.n_heads * hp.head_dim);
