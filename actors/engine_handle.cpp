@@ -96,6 +96,23 @@ void generation_stream::set_canceller(std::function<void()> fn, uint64_t id) {
 
 // --- engine_handle -------------------------------------------------------------------------------
 
+namespace {
+
+// CAF 0.17 keeps a strong reference to an actor system's logger in a thread-local of each thread
+// that built the system or a scoped_actor on it, and ~actor_system waits until the logger is
+// destroyed. A thread that used an engine and lives on (main, an HTTP pool thread) would make
+// destroying that engine from any other thread wait forever — what hot reload does (two engines,
+// the old one destroyed on the model slot's thread). Every entry point that touches the system on
+// the caller's thread lets go of it on return.
+struct caf_thread_release {
+  caf_thread_release() = default;
+  caf_thread_release(const caf_thread_release&) = delete;
+  caf_thread_release& operator=(const caf_thread_release&) = delete;
+  ~caf_thread_release() { caf::logger::set_current_actor_system(nullptr); }
+};
+
+}  // namespace
+
 struct engine_handle::impl {
   caf::actor_system_config cfg;
   std::unique_ptr<caf::actor_system> sys;
@@ -106,6 +123,7 @@ struct engine_handle::impl {
 };
 
 std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
+  caf_thread_release release;  // destroyed last: after the scoped_actor below, or the handle if we throw
   if (o.n_threads < 1) throw std::invalid_argument("n_threads must be at least 1");
   if (o.kv_block_size < 1) throw std::invalid_argument("kv_block_size must be at least 1");
   if (auto err = validate(o.sched); !err.empty()) throw std::invalid_argument(err);
@@ -179,6 +197,7 @@ engine_handle::~engine_handle() {
 }
 
 std::shared_ptr<generation_stream> engine_handle::submit(generation_params params) {
+  caf_thread_release release;
   const uint64_t id = impl_->next_id++;
   auto stream = std::make_shared<generation_stream>((size_t)std::max(0, params.max_tokens) + 2);
   // The canceller is in place before submit() returns, so a client's cancel() always reaches the
@@ -192,6 +211,7 @@ std::shared_ptr<generation_stream> engine_handle::submit(generation_params param
 }
 
 engine_stats engine_handle::stats(std::chrono::milliseconds timeout) {
+  caf_thread_release release;
   caf::scoped_actor self{*impl_->sys};
   engine_stats out;
   bool ok = false;
@@ -203,11 +223,16 @@ engine_stats engine_handle::stats(std::chrono::milliseconds timeout) {
 }
 
 bool engine_handle::drain(std::chrono::milliseconds timeout) {
+  caf_thread_release release;
   caf::scoped_actor self{*impl_->sys};
   bool drained = false;
   self->request<caf::message_priority::high>(impl_->scheduler, timeout, drain_atom::value)
       .receive([&](bool ok) { drained = ok; }, [&](caf::error&) { drained = false; });
   return drained;
+}
+
+void engine_handle::fail_all(const std::string& why) {
+  caf::anon_send<caf::message_priority::high>(impl_->scheduler, circuit_atom::value, why);
 }
 
 void engine_handle::inject_executor_fault() { caf::anon_send(impl_->scheduler, fault_atom::value); }

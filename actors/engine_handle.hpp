@@ -148,6 +148,11 @@ class engine_handle {
   /// has finished. True when drained within `timeout`.
   bool drain(std::chrono::milliseconds timeout);
 
+  /// Ends every generation this engine holds, and refuses those submitted after, with
+  /// `unavailable` and the message "the model is unavailable: <why>" (a retired model version
+  /// past its drain time). The executor keeps running; destroy the handle to stop it.
+  void fail_all(const std::string& why);
+
   /// Fault injection for tests: the executor throws in the middle of its next step.
   void inject_executor_fault();
 

@@ -112,6 +112,8 @@ const std::vector<key_spec>& keys() {
       {"websocket", "max_generations", int_key(&server_config::ws_max_generations)},
       {"websocket", "idle_timeout_s", double_key(&server_config::ws_idle_timeout_s)},
       {"websocket", "send_buffer_bytes", int_key(&server_config::ws_send_buffer_bytes)},
+      {"reload", "drain_timeout_s", double_key(&server_config::reload_drain_timeout_s)},
+      {"reload", "warmup_timeout_s", double_key(&server_config::reload_warmup_timeout_s)},
       {"engine", "model",
        [](const toml::node& n, server_config& c) -> std::string {
          const auto v = n.value_exact<std::string>();
@@ -215,6 +217,10 @@ std::string validate(const server_config& c) {
     return range_error("server.max_connections", "--max-connections", "in [1, 1000000]", std::to_string(c.max_connections));
   if (!(c.shutdown_grace_s >= 0) || !std::isfinite(c.shutdown_grace_s))
     return range_error("server.shutdown_grace_s", "--shutdown-grace-s", ">= 0", num(c.shutdown_grace_s));
+  if (!(c.reload_drain_timeout_s >= 0) || !std::isfinite(c.reload_drain_timeout_s))
+    return range_error("reload.drain_timeout_s", "--reload-drain-timeout-s", ">= 0", num(c.reload_drain_timeout_s));
+  if (!(c.reload_warmup_timeout_s > 0) || !std::isfinite(c.reload_warmup_timeout_s))
+    return range_error("reload.warmup_timeout_s", "--reload-warmup-timeout-s", "> 0", num(c.reload_warmup_timeout_s));
   if (c.n_io_threads < 1 || c.n_io_threads > 256) return range_error("server.io_threads", "--io-threads", "in [1, 256]", std::to_string(c.n_io_threads));
   if (c.max_n < 1 || c.max_n > 128) return range_error("server.max_n", "--max-n", "in [1, 128]", std::to_string(c.max_n));
 
@@ -285,6 +291,8 @@ std::string describe(const server_config& c) {
     << "max_message_bytes = " << c.ws_max_message_bytes << "\nmax_queue_bytes = " << c.ws_max_queue_bytes
     << "\nsend_timeout_s = " << num(c.ws_send_timeout_s) << "\nmax_generations = " << c.ws_max_generations
     << "\nidle_timeout_s = " << num(c.ws_idle_timeout_s) << "\nsend_buffer_bytes = " << c.ws_send_buffer_bytes << "\n"
+    << "[reload]\n"
+    << "drain_timeout_s = " << num(c.reload_drain_timeout_s) << "\nwarmup_timeout_s = " << num(c.reload_warmup_timeout_s) << "\n"
     << "[engine]\n"
     << "model = " << quote(e.model_path) << "\nthreads = " << e.n_threads << "\nctx_size = " << e.n_ctx
     << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\nkv_mb = " << c.kv_mb

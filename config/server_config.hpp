@@ -46,6 +46,10 @@ struct server_config {
   double ws_idle_timeout_s = 300;          // nothing from the client this long: closed (ping at half)
   int64_t ws_send_buffer_bytes = 0;        // SO_SNDBUF of the socket; 0: the system's
 
+  // [reload]  (POST /admin/reload, SIGHUP: a new model version beside the serving one)
+  double reload_drain_timeout_s = 600;     // a replaced version's generations are ended after this long
+  double reload_warmup_timeout_s = 120;    // the new version's warm-up generation must finish within it
+
   // [engine]  (model_path, n_threads, n_ctx, kv_block_size, n_batch; max_kv_bytes is unused:
   // the serve cache size is kv_mb)
   engine_config engine;

@@ -28,7 +28,7 @@ api_error unauthorized(std::string message) {
 access access_for(std::string_view path) {
   if (auto q = path.find('?'); q != std::string_view::npos) path = path.substr(0, q);
   if (path == "/health" || path == "/ready") return access::open;
-  if (path == "/metrics") return access::admin;
+  if (path == "/metrics" || path.starts_with("/admin/")) return access::admin;
   return access::api;
 }
 

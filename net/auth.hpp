@@ -20,7 +20,7 @@ struct auth_config {
 /// Which keys a path needs.
 enum class access : uint8_t { open, api, admin };
 
-/// /health and /ready are open (probes); /metrics is an operator endpoint; everything else,
+/// /health and /ready are open (probes); /metrics and /admin/... are operator endpoints; everything else,
 /// unknown paths included, is the API.
 access access_for(std::string_view path);
 

@@ -14,6 +14,7 @@
 #include "engine/tokenizer.hpp"
 #include "net/cli.hpp"
 #include "net/http_server.hpp"
+#include "net/model_slot.hpp"
 #include "net/openai_api.hpp"
 
 namespace troupe::cli {
@@ -53,7 +54,8 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       field("--max-waiting-tokens", &c::max_waiting_tokens), field("--queue-timeout-s", &c::queue_timeout_s),
       field("--preemption", &c::preemption), field("--plan-ahead", &c::plan_ahead),
       field("--target-itl-ms", &c::target_itl_ms), field("--itl-stretch", &c::itl_stretch),
-      field("--min-prefill-tokens", &c::min_prefill_tokens), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
+      field("--min-prefill-tokens", &c::min_prefill_tokens), field("--reload-drain-timeout-s", &c::reload_drain_timeout_s),
+      field("--reload-warmup-timeout-s", &c::reload_warmup_timeout_s), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
   };
   return v;
 }
@@ -113,28 +115,39 @@ int run_serve(serve_opts& o) {
   eo.sched.itl_stretch = c.itl_stretch;
   eo.sched.min_prefill_tokens = (int32_t)c.min_prefill_tokens;
   eo.sched.max_model_len = ec.n_ctx;  // 0: the engine's limit (trained context, KV pool)
-  auto eng = actors::engine_handle::start(eo);
-  const engine::model& m = eng->model();
-  const engine::tokenizer& tok = m.vocab();
 
-  net::api_context api;
-  api.tok = &tok;
-  api.model_id = std::filesystem::path(ec.model_path).stem().string();
-  if (!m.hparams().name.empty()) api.aliases.push_back(m.hparams().name);
-  api.aliases.push_back("default");
-  api.created = (int64_t)std::time(nullptr);
-  const auto st = eng->stats();
-  int64_t limit = std::min<int64_t>(m.hparams().n_ctx_train, (int64_t)st.n_device_blocks * ec.kv_block_size);
-  if (ec.n_ctx > 0) limit = std::min<int64_t>(limit, ec.n_ctx);
-  api.max_model_len = limit;
-  api.max_n = (int32_t)c.max_n;
-  const std::string src = m.file().get_string("tokenizer.chat_template").value_or("");
-  const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : "";
-  const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : "";
-  api.chat = engine::chat_template::detect(src, bos, eos);
-  if (!api.chat)
-    std::fprintf(stderr, "troupe serve: the model's chat template is not recognized; /v1/chat/completions will refuse requests\n");
-  return net::run_http_server(http, *eng, api);
+  // One version of the served model; a reload builds the next one the same way, from its file.
+  const int64_t created = (int64_t)std::time(nullptr);
+  auto load = [eo, n_ctx = ec.n_ctx, max_n = (int32_t)c.max_n, created](const std::string& path) {
+    auto v = std::make_unique<net::served_model>();
+    actors::engine_options o = eo;
+    o.model_path = path;
+    v->engine = actors::engine_handle::start(o);
+    const engine::model& m = v->engine->model();
+    const engine::tokenizer& tok = m.vocab();
+    net::api_context& api = v->api;
+    api.tok = &tok;
+    if (!m.hparams().name.empty()) api.aliases.push_back(m.hparams().name);
+    api.aliases.push_back("default");
+    api.created = created;
+    const auto st = v->engine->stats();
+    int64_t limit = std::min<int64_t>(m.hparams().n_ctx_train, (int64_t)st.n_device_blocks * o.kv_block_size);
+    if (n_ctx > 0) limit = std::min<int64_t>(limit, n_ctx);
+    api.max_model_len = limit;
+    api.max_n = max_n;
+    const std::string src = m.file().get_string("tokenizer.chat_template").value_or("");
+    const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : "";
+    const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : "";
+    api.chat = engine::chat_template::detect(src, bos, eos);
+    if (!api.chat)
+      std::fprintf(stderr, "troupe serve: %s: the chat template is not recognized; /v1/chat/completions will refuse requests\n", path.c_str());
+    return v;
+  };
+  net::model_slot_options so;
+  so.drain_timeout_s = c.reload_drain_timeout_s;
+  so.warmup_timeout_s = c.reload_warmup_timeout_s;
+  net::model_slot models(load, ec.model_path, so);
+  return net::run_http_server(http, models);
 }
 
 }  // namespace
@@ -177,6 +190,11 @@ action add_serve(CLI::App& app) {
   cmd->add_option("--ws-max-generations", f.ws_max_generations, "WebSocket: live generations per socket")->capture_default_str();
   cmd->add_option("--ws-idle-timeout-s", f.ws_idle_timeout_s, "WebSocket: idle socket closed after this long (ping at half)")->capture_default_str();
   cmd->add_option("--ws-send-buffer-bytes", f.ws_send_buffer_bytes, "WebSocket: SO_SNDBUF of the socket (0: the system's)")->capture_default_str();
+  cmd->add_option("--reload-drain-timeout-s", f.reload_drain_timeout_s,
+                  "hot reload: a replaced model version's generations still running after this long are ended")
+      ->capture_default_str();
+  cmd->add_option("--reload-warmup-timeout-s", f.reload_warmup_timeout_s, "hot reload: the new version's warm-up generation must finish within it")
+      ->capture_default_str();
   cmd->add_option("--api-key", f.api_keys, "API key clients send as 'Authorization: Bearer KEY' (repeatable; none: open)");
   cmd->add_option("--admin-api-key", f.admin_api_keys, "key for operator endpoints such as /metrics (repeatable; none: the API keys)");
   return [o] { return run_serve(*o); };

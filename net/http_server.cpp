@@ -170,8 +170,7 @@ class event_waiter {
 
 class server {
  public:
-  server(const server_options& o, actors::engine_handle& eng, const api_context& api)
-      : opts_(o), eng_(eng), api_(api), acceptor_(ioc_), signals_(ioc_, SIGINT, SIGTERM) {}
+  server(const server_options& o, model_slot& models) : opts_(o), models_(models), acceptor_(ioc_), signals_(ioc_, SIGINT, SIGTERM), hup_(ioc_, SIGHUP) {}
 
   int run() {
     tcp::endpoint ep(asio::ip::make_address(opts_.host), opts_.port);
@@ -183,7 +182,7 @@ class server {
     acceptor_.listen(asio::socket_base::max_listen_connections);
     const auto bound = acceptor_.local_endpoint();
     std::printf("troupe serve: listening on http://%s:%u (model %s)\n", bound.address().to_string().c_str(),
-                (unsigned)bound.port(), api_.model_id.c_str());
+                (unsigned)bound.port(), models_.current()->api.model_id.c_str());
     std::fflush(stdout);
     signals_.async_wait([this](const beast::error_code& e, int sig) {
       if (e) return;
@@ -194,6 +193,7 @@ class server {
       acceptor_.close(ignored);
       asio::co_spawn(ioc_, drain(), asio::detached);
     });
+    on_hup();
     asio::co_spawn(ioc_, accept_loop(), asio::detached);
     std::vector<std::thread> threads;
     for (int i = 1; i < std::max(1, opts_.n_io_threads); ++i) threads.emplace_back([this] { ioc_.run(); });
@@ -203,6 +203,20 @@ class server {
   }
 
  private:
+  // SIGHUP: reload the served model from its file (as POST /admin/reload with no body), logged.
+  void on_hup() {
+    hup_.async_wait([this](const beast::error_code& e, int) {
+      if (e || stopping_) return;
+      asio::post(blocking_, [this] {
+        try {
+          models_.reload("");
+        } catch (const std::exception&) {  // model_slot logged why; the old version serves on
+        }
+      });
+      on_hup();
+    });
+  }
+
   // Lets generations in flight finish for the grace period, cancels the rest (their clients get an
   // error), then stops the I/O threads.
   awaitable<void> drain() {
@@ -354,7 +368,7 @@ class server {
                                    {"/v1/models", http::verb::get},       {"/health", http::verb::get},
                                    {"/ready", http::verb::get},           {"/tokenize", http::verb::post},
                                    {"/detokenize", http::verb::post},     {"/metrics", http::verb::get},
-                                   {"/v1/ws", http::verb::get}};
+                                   {"/v1/ws", http::verb::get},           {"/admin/reload", http::verb::post}};
     const route* found = nullptr;
     for (const auto& r : routes)
       if (path == r.path) found = &r;
@@ -365,6 +379,8 @@ class server {
       co_return co_await write_response(stream, std::move(res));
     }
     api_error err;
+    const std::shared_ptr<const served_model> model = models_.current();  // this request's version, held to its end
+    const api_context& api = model->api;
     try {
       if (path == "/v1/ws") {  // a GET without the upgrade headers
         response res = error_response(http_error(426, "/v1/ws is a WebSocket endpoint: send an upgrade request", "upgrade_required"), ver, keep);
@@ -374,13 +390,14 @@ class server {
       if (path == "/health") co_return co_await write_response(stream, json_response(http::status::ok, R"({"status":"ok"})", ver, keep));
       if (path == "/ready") co_return co_await write_response(stream, co_await ready(ver, keep));
       if (path == "/metrics") co_return co_await write_response(stream, co_await metrics_response(ver, keep));
-      if (path == "/v1/models") co_return co_await write_response(stream, json_response(http::status::ok, dump(api_.models_list()), ver, keep));
-      const json body = json::parse(req.body(), nullptr, false);
+      if (path == "/v1/models") co_return co_await write_response(stream, json_response(http::status::ok, dump(models_list(*model)), ver, keep));
+      const json body = req.body().empty() && path == "/admin/reload" ? json::object() : json::parse(req.body(), nullptr, false);
       if (body.is_discarded()) throw api_exception(http_error(400, "the request body is not valid JSON", "invalid_json"));
-      if (path == "/tokenize") co_return co_await write_response(stream, json_response(http::status::ok, dump(tokenize(body, api_)), ver, keep));
-      if (path == "/detokenize") co_return co_await write_response(stream, json_response(http::status::ok, dump(detokenize(body, api_)), ver, keep));
-      const completion_request creq = parse_completion(body, path == "/v1/completions" ? endpoint::completions : endpoint::chat, api_);
-      co_return co_await generate(stream, creq, ver, keep);
+      if (path == "/admin/reload") co_return co_await write_response(stream, co_await reload(body, ver, keep));
+      if (path == "/tokenize") co_return co_await write_response(stream, json_response(http::status::ok, dump(tokenize(body, api)), ver, keep));
+      if (path == "/detokenize") co_return co_await write_response(stream, json_response(http::status::ok, dump(detokenize(body, api)), ver, keep));
+      const completion_request creq = parse_completion(body, path == "/v1/completions" ? endpoint::completions : endpoint::chat, api);
+      co_return co_await generate(stream, creq, *model, ver, keep);
     } catch (const api_exception& e) {
       err = e.err;
     } catch (const std::exception& e) {
@@ -393,7 +410,8 @@ class server {
   awaitable<std::pair<std::optional<actors::engine_stats>, std::string>> engine_stats() {
     try {
       auto st = co_await asio::co_spawn(
-          blocking_, [this]() -> awaitable<actors::engine_stats> { co_return eng_.stats(std::chrono::seconds(2)); }, asio::use_awaitable);
+          blocking_, [this]() -> awaitable<actors::engine_stats> { co_return models_.current()->engine->stats(std::chrono::seconds(2)); },
+          asio::use_awaitable);
       co_return std::pair{std::optional(std::move(st)), std::string()};
     } catch (const std::exception& e) {
       co_return std::pair{std::optional<actors::engine_stats>(), std::string(e.what())};
@@ -416,8 +434,7 @@ class server {
 
   ws_context ws_context_() {
     ws_context c;
-    c.engine = &eng_;
-    c.api = &api_;
+    c.models = &models_;
     c.opts = opts_.ws;
     c.request_timeout_s = opts_.request_timeout_s;
     c.stopping = &stopping_;
@@ -430,12 +447,44 @@ class server {
   // Prometheus text exposition 0.0.4: the HTTP-side metrics plus the engine's stats of now.
   awaitable<response> metrics_response(unsigned ver, bool keep) {
     auto [st, err] = co_await engine_stats();  // no answer: rendered as troupe_engine_up 0
-    response res = json_response(http::status::ok, metrics_.render(st ? &*st : nullptr), ver, keep);
+    const model_slot_stats ms = models_.stats();
+    response res = json_response(http::status::ok, metrics_.render(st ? &*st : nullptr, &ms), ver, keep);
     res.set(http::field::content_type, "text/plain; version=0.0.4; charset=utf-8");
     co_return res;
   }
 
-  awaitable<bool> generate(beast::tcp_stream& stream, const completion_request& creq, unsigned ver, bool keep) {
+  // /v1/models: the version serving now, with troupe's own fields beside OpenAI's.
+  static json models_list(const served_model& m) {
+    json j = m.api.models_list();
+    for (auto& e : j["data"]) e["troupe"] = {{"version", m.version}, {"path", m.path}, {"load_s", m.load_s}};
+    return j;
+  }
+
+  // A member coroutine, not a capturing lambda: its argument lives in its own frame.
+  awaitable<reload_result> reload_on_pool(std::string path) { co_return models_.reload(path); }
+
+  // POST /admin/reload {"model_path": FILE} (absent: the served file again): loads and warms the
+  // new version on the blocking pool, then switches to it; requests in flight finish on theirs.
+  awaitable<response> reload(const json& body, unsigned ver, bool keep) {
+    if (!body.is_object()) throw bad_param("", "the request body must be a JSON object");
+    std::string path;
+    if (auto it = body.find("model_path"); it != body.end()) {
+      if (!it->is_string() || it->get<std::string>().empty()) throw bad_param("model_path", "'model_path' must be a non-empty string (a GGUF file on the server)");
+      path = it->get<std::string>();
+    }
+    if (stopping_) throw api_exception(error_for(actors::gen_error::unavailable, "the server is stopping"));
+    try {
+      const reload_result r = co_await asio::co_spawn(blocking_, reload_on_pool(path), asio::use_awaitable);
+      json j{{"object", "reload"}, {"model", models_.current()->api.model_id}, {"version", r.version}, {"previous_version", r.previous},
+             {"path", r.path}, {"load_s", r.load_s}};
+      co_return json_response(http::status::ok, dump(j), ver, keep);
+    } catch (const reload_error& e) {
+      throw api_exception(http_error(e.status, e.what(), e.status == 409 ? "reload_in_progress" : e.status == 400 ? "invalid_model" : "reload_failed",
+                                     e.status == 400 ? "model_path" : ""));
+    }
+  }
+
+  awaitable<bool> generate(beast::tcp_stream& stream, const completion_request& creq, const served_model& model, unsigned ver, bool keep) {
     if (stopping_) co_return co_await write_response(stream, error_response(error_for(actors::gen_error::unavailable, "the server is stopping"), ver, false));
     // One generation per choice; each feeds the metrics as its events are taken.
     std::vector<std::shared_ptr<actors::generation_stream>> gens;
@@ -444,7 +493,7 @@ class server {
       actors::generation_params gp = choice_params(creq, i);
       gp.deadline_s = opts_.request_timeout_s;
       timers.push_back(std::make_unique<request_timer>(metrics_, (int64_t)gp.prompt.size()));
-      gens.push_back(eng_.submit(std::move(gp)));
+      gens.push_back(model.engine->submit(std::move(gp)));
     }
     event_waiter events(co_await asio::this_coro::executor, std::move(gens), active_);
     events.watch_client(stream.socket());
@@ -459,7 +508,7 @@ class server {
       if (e.error == actors::gen_error::cancelled && stopping_) return error_for(actors::gen_error::unavailable, "the server is stopping");
       return error_for(e.error, e.message);
     };
-    response_builder rb(creq, api_);
+    response_builder rb(creq, model.api);
     std::optional<event_waiter::item> it = co_await events.next();
     if (!it) co_return false;  // the client went away: the waiter's destructor cancels
     observe(*it);
@@ -524,11 +573,10 @@ class server {
   }
 
   server_options opts_;
-  actors::engine_handle& eng_;
-  const api_context& api_;
+  model_slot& models_;
   asio::io_context ioc_;
   tcp::acceptor acceptor_;
-  asio::signal_set signals_;
+  asio::signal_set signals_, hup_;
   std::atomic<int> n_connections_{0};
   std::atomic<bool> stopping_{false};
   active_set active_;
@@ -538,8 +586,8 @@ class server {
 
 }  // namespace
 
-int run_http_server(const server_options& opts, actors::engine_handle& engine, const api_context& api) {
-  server s(opts, engine, api);
+int run_http_server(const server_options& opts, model_slot& models) {
+  server s(opts, models);
   return s.run();
 }
 

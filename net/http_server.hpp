@@ -8,6 +8,7 @@
 
 #include "actors/engine_handle.hpp"
 #include "net/auth.hpp"
+#include "net/model_slot.hpp"
 #include "net/openai_api.hpp"
 #include "net/ws_protocol.hpp"
 
@@ -29,8 +30,10 @@ struct server_options {
 
 /// Listens, prints "troupe serve: listening on http://HOST:PORT" to stdout, and serves until
 /// SIGINT or SIGTERM: then it accepts nothing new, lets generations in flight finish for
-/// shutdown_grace_s, cancels the rest (their clients get a 503 error), and returns. Returns the process exit code. Throws std::runtime_error when it cannot
-/// bind. `engine` and `api` must outlive the call.
-int run_http_server(const server_options& opts, actors::engine_handle& engine, const api_context& api);
+/// shutdown_grace_s, cancels the rest (their clients get a 503 error), and returns. Returns the
+/// process exit code. Throws std::runtime_error when it cannot bind. Each request runs on the
+/// version of `models` current when it arrives; POST /admin/reload and SIGHUP reload it
+/// (model_slot.hpp). `models` must outlive the call.
+int run_http_server(const server_options& opts, model_slot& models);
 
 }  // namespace troupe::net

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "net/model_slot.hpp"
+
 namespace troupe::net {
 
 namespace {
@@ -78,7 +80,7 @@ void metrics_registry::add_tokens(int64_t n_prompt, int64_t n_generated) {
   n_generated_tokens_.fetch_add((uint64_t)std::max<int64_t>(0, n_generated), std::memory_order_relaxed);
 }
 
-std::string metrics_registry::render(const actors::engine_stats* engine) const {
+std::string metrics_registry::render(const actors::engine_stats* engine, const model_slot_stats* models) const {
   std::string out;
   out.reserve(8192);
 
@@ -103,6 +105,14 @@ std::string metrics_registry::render(const actors::engine_stats* engine) const {
          "Estimated wait before the first step: time to first token minus the request's mean inter-token latency.");
   queue.render(out, "troupe_request_queue_time_seconds");
 
+  if (models) {
+    sample(out, "troupe_model_version", (int64_t)models->version, "gauge", "Version of the served model new requests go to (1 at start, +1 per reload).");
+    header(out, "troupe_model_reloads_total", "counter", "Model reloads (POST /admin/reload, SIGHUP) by result.");
+    out += "troupe_model_reloads_total{result=\"ok\"} " + fmt(models->reloads_ok) + "\n";
+    out += "troupe_model_reloads_total{result=\"failed\"} " + fmt(models->reloads_failed) + "\n";
+    sample(out, "troupe_model_versions_draining", (int64_t)models->n_retired, "gauge",
+           "Replaced versions still finishing the generations they hold.");
+  }
   sample(out, "troupe_engine_up", (int64_t)(engine != nullptr), "gauge", "1 when the engine answered the stats query of this scrape.");
   if (!engine) return out;
   const actors::engine_stats& s = *engine;

@@ -14,6 +14,10 @@
 #include "actors/engine_handle.hpp"
 
 namespace troupe::net {
+struct model_slot_stats;
+}
+
+namespace troupe::net {
 
 /// A histogram with fixed upper bounds (seconds), cumulative on output. Thread-safe.
 class histogram {
@@ -58,9 +62,10 @@ class metrics_registry {
   histogram e2e{latency_buckets::e2e};
   histogram queue{latency_buckets::ttft};
 
-  /// The whole exposition: the HTTP-side metrics, then the engine's from `engine` (skipped, with
-  /// `troupe_engine_up 0`, when it is null: the engine did not answer).
-  std::string render(const actors::engine_stats* engine) const;
+  /// The whole exposition: the HTTP-side metrics, the served model's versions and reloads (when
+  /// `models` is given), then the engine's from `engine` (skipped, with `troupe_engine_up 0`, when
+  /// it is null: the engine did not answer).
+  std::string render(const actors::engine_stats* engine, const model_slot_stats* models = nullptr) const;
 
  private:
   std::array<std::atomic<uint64_t>, 600> by_status_{};

@@ -57,6 +57,7 @@ struct waker : std::enable_shared_from_this<waker> {
 };
 
 struct generation {
+  std::shared_ptr<const served_model> model;  // the version it runs on, held until it ends (hot reload)
   std::shared_ptr<actors::generation_stream> stream;
   bool logprobs = false;
   actors::priority_class cls = actors::priority_class::normal;  // as last asked by the client
@@ -130,8 +131,9 @@ class session : public std::enable_shared_from_this<session> {
 
   void handle(const std::string& text) {
     ws_message m;
+    std::shared_ptr<const served_model> model = ctx_.models->current();  // parsed and run by one version
     try {
-      m = parse_ws_message(text, *ctx_.api);
+      m = parse_ws_message(text, model->api);
     } catch (const ws_protocol_error& e) {
       // A refused generate ends that generation, unless a live one already has its id.
       const bool final = e.type == "generate" && !gens_.count(e.id);
@@ -151,7 +153,8 @@ class session : public std::enable_shared_from_this<session> {
         actors::generation_params gp = m.req.gen;
         gp.deadline_s = ctx_.request_timeout_s;
         const int64_t n_prompt = (int64_t)gp.prompt.size();
-        generation g{ctx_.engine->submit(std::move(gp)), m.req.logprobs, m.req.gen.cls, nullptr};
+        auto stream = model->engine->submit(std::move(gp));
+        generation g{std::move(model), std::move(stream), m.req.logprobs, m.req.gen.cls, nullptr};
         if (ctx_.metrics) g.timer = std::make_unique<request_timer>(*ctx_.metrics, n_prompt);
         g.stream->set_notify([w = wake_] { w->notify(); });
         if (ctx_.on_start) ctx_.on_start(g.stream);

@@ -13,14 +13,14 @@
 #include <boost/beast/websocket/rfc6455.hpp>  // is_upgrade
 
 #include "net/metrics.hpp"
+#include "net/model_slot.hpp"
 #include "net/ws_protocol.hpp"
 
 namespace troupe::net {
 
 /// What a WebSocket session needs from the server around it.
 struct ws_context {
-  actors::engine_handle* engine = nullptr;
-  const api_context* api = nullptr;
+  const model_slot* models = nullptr;          // each generation takes the version current when it starts
   ws_options opts;
   double request_timeout_s = 600;              // each generation's deadline
   const std::atomic<bool>* stopping = nullptr;  // the server refuses new work

@@ -391,3 +391,37 @@ TEST_CASE("an executor killed mid-batch is restarted and every output is unchang
   CHECK(st.executor_alive);
   require_no_leak(*eng);
 }
+
+TEST_CASE("two engines live side by side and either stops while the other serves", "[actors][model][reload]") {
+  // Hot reload (net/model_slot.hpp): the new version is built beside the serving one on another
+  // thread, and the old one is destroyed on a third while the threads that used it live on. Each
+  // engine has its own actor system; stopping one must neither wait on nor disturb the other.
+  // (CAF 0.17 pins a system's logger in every thread that built it or asked it something; before
+  // the engine let go of it, destroying `a` below waited forever.)
+  const auto p = greedy(prompts[0], 8);
+  const auto ref = alone(p);
+  auto a = actors::engine_handle::start(options());  // on this thread, which lives on
+  CHECK(a->stats().n_running == 0);
+  std::unique_ptr<actors::engine_handle> b;
+  std::thread([&] {
+    b = actors::engine_handle::start(options());
+    CHECK(b->stats().n_running == 0);
+    CHECK(drain(*b->submit(greedy(prompts[0], 1))).final.type == actors::stream_event::kind::done);
+  }).join();
+  CHECK(drain(*a->submit(p)).tokens == ref);
+  auto running = b->submit(greedy(prompts[1], 48));
+  CHECK(a->stats().n_running == 0);  // this thread's last call into an engine: into `a`
+  auto stop = [](std::unique_ptr<actors::engine_handle>& e) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::thread([&] { e.reset(); }).join();
+    return std::chrono::steady_clock::now() - t0;
+  };
+  CHECK(stop(a) < 10s);
+  CHECK(drain(*running).final.type == actors::stream_event::kind::done);
+  CHECK(drain(*b->submit(p)).tokens == ref);
+  auto c = actors::engine_handle::start(options());
+  CHECK(b->stats().n_running == 0);
+  CHECK(stop(b) < 10s);
+  CHECK(drain(*c->submit(p)).tokens == ref);
+  require_no_leak(*c);
+}

@@ -1,0 +1,224 @@
+"""Hot reload of the served model (POST /admin/reload, SIGHUP; net/model_slot.hpp) under load.
+
+Clients: the official `openai` package (no retries: a failed request is a failed test) and the
+`websockets` package. Reference: each request's greedy output from the server before any reload.
+The model file is the default one, also served through a copy at another path, so every version
+must give exactly the reference outputs; a truncated copy and a non-GGUF file are refused while
+the serving version carries on.
+"""
+
+import http.client
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+websockets = pytest.importorskip("websockets")
+from websockets.sync.client import connect  # noqa: E402
+
+from serve_util import MODEL, TROUPE, running_server  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not (pathlib.Path(TROUPE).exists() and MODEL.exists()),
+                                reason="needs build/troupe and models/default.gguf")
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are"]
+CHAT = [{"role": "user", "content": "Name three fruits."}]
+
+
+def request(port, method, path, body=None, headers=None, timeout=120):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request(method, path, body=None if body is None else json.dumps(body).encode(),
+                 headers={"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    raw = resp.read()
+    conn.close()
+    return resp.status, (json.loads(raw) if raw and path != "/metrics" else raw.decode())
+
+
+def metric(port, name):
+    st, text = request(port, "GET", "/metrics")
+    assert st == 200
+    m = re.search(r"^" + re.escape(name) + r" (\S+)$", text, re.M)
+    assert m, f"{name} is exported"
+    return float(m.group(1))
+
+
+def client_for(port):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def complete(client, k, stream):
+    """Request kind k of the mix (0-3: a completion of PROMPTS[k]; 4: a chat) -> its text."""
+    if k == 4:
+        kw = dict(model="default", messages=CHAT, max_tokens=24, temperature=0)
+        if not stream:
+            return client.chat.completions.create(**kw).choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw) if c.choices)
+    kw = dict(model="default", prompt=PROMPTS[k], max_tokens=24, temperature=0)
+    if not stream:
+        return client.completions.create(**kw).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+
+
+def wait_drained(port, seconds=30):
+    deadline = time.monotonic() + seconds
+    while metric(port, "troupe_model_versions_draining") != 0:
+        assert time.monotonic() < deadline, "a replaced version was never unloaded"
+        time.sleep(0.1)
+
+
+def test_reloads_under_load_fail_no_request(tmp_path):
+    copy = tmp_path / "smollm-copy.gguf"
+    shutil.copyfile(MODEL, copy)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(MODEL.read_bytes()[: 3 << 20])
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(os.urandom(1 << 16))
+
+    with running_server() as (port, proc):
+        client = client_for(port)
+        ref = {i: complete(client, i, False) for i in range(5)}
+        assert complete(client, 0, True) == ref[0]
+        long_ref = client.completions.create(model="default", prompt=PROMPTS[1], max_tokens=160, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        stop = threading.Event()
+        results, failures = [], []
+
+        def load(worker):
+            c = client_for(port)
+            n = 0
+            while not stop.is_set():
+                k = (worker + 3 * n) % 5
+                try:
+                    results.append((k, complete(c, k, stream=(n % 2 == 0))))
+                except Exception as e:  # noqa: BLE001 - any failure is the test's failure
+                    failures.append(f"request kind {k}: {e!r}")
+                n += 1
+
+        threads = [threading.Thread(target=load, args=(w,)) for w in range(3)]
+        for t in threads:
+            t.start()
+
+        # A long stream that starts on version 1 and ends after two reloads.
+        long_stream = client.completions.create(model="default", prompt=PROMPTS[1], max_tokens=160, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+        it = iter(long_stream)
+        first = next(it).choices[0].text
+
+        time.sleep(0.5)
+        st, body = request(port, "POST", "/admin/reload")  # the same file again
+        assert st == 200, body
+        assert body["version"] == 2 and body["previous_version"] == 1 and body["path"] == str(MODEL)
+        time.sleep(0.5)
+        st, body = request(port, "POST", "/admin/reload", {"model_path": str(copy)})
+        assert st == 200, body
+        assert body["version"] == 3 and body["model"] == "default"
+        long_text = first + "".join(c.choices[0].text for c in it if c.choices)
+
+        time.sleep(0.5)
+        st, body = request(port, "POST", "/admin/reload", {"model_path": str(truncated)})
+        assert st == 400 and body["error"]["code"] == "invalid_model" and body["error"]["param"] == "model_path", body
+        st, body = request(port, "POST", "/admin/reload", {"model_path": str(garbage)})
+        assert st == 400 and "GGUF" in body["error"]["message"], body
+        st, body = request(port, "POST", "/admin/reload", {"model_path": str(tmp_path)})
+        assert st == 400 and "not a readable regular file" in body["error"]["message"], body
+        st, body = request(port, "POST", "/admin/reload", {"model_path": 5})
+        assert st == 400 and body["error"]["param"] == "model_path", body
+        st, body = request(port, "POST", "/admin/reload", None)
+        assert st == 200 and body["version"] == 4 and body["path"] == str(copy), body  # no body: the served file
+
+        # SIGHUP reloads the served file too.
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while metric(port, "troupe_model_version") != 5:
+            assert time.monotonic() < deadline, "SIGHUP did not reload"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        stop.set()
+        for t in threads:
+            t.join(timeout=180)
+
+        assert failures == []
+        assert len(results) >= 10
+        for k, text in results:
+            assert text == ref[k], f"request kind {k}"
+        assert long_text == long_ref
+
+        st, models = request(port, "GET", "/v1/models")
+        assert models["data"][0]["id"] == "default" and models["data"][0]["troupe"]["version"] == 5
+        assert metric(port, 'troupe_model_reloads_total{result="ok"}') == 4
+        assert metric(port, 'troupe_model_reloads_total{result="failed"}') == 3
+        wait_drained(port)
+        # The served name stays; the new file's stem is accepted too.
+        assert client.completions.create(model="smollm-copy", prompt=PROMPTS[0], max_tokens=24,
+                                         temperature=0).choices[0].text == ref[0]
+        st, ready = request(port, "GET", "/ready")
+        assert st == 200 and ready["running"] == 0
+
+
+def test_websocket_generation_spans_a_reload():
+    with running_server() as (port, proc):
+        st, ref = request(port, "POST", "/v1/completions",
+                          {"prompt": PROMPTS[1], "max_tokens": 96, "temperature": 0, "ignore_eos": True})
+        assert st == 200
+        with connect(f"ws://127.0.0.1:{port}/v1/ws") as ws:
+            ws.send(json.dumps({"type": "generate", "id": "a", "prompt": PROMPTS[1], "max_tokens": 96,
+                                "temperature": 0, "ignore_eos": True}))
+            texts, final, b_final = [], None, None
+            reloaded = False
+            while final is None or b_final is None:
+                m = json.loads(ws.recv(timeout=60))
+                if m.get("id") == "b":
+                    b_final = m if m["type"] in ("done", "error") else b_final
+                elif m["type"] == "token":
+                    texts.append(m["text"])
+                    if len(texts) == 4 and not reloaded:
+                        st, body = request(port, "POST", "/admin/reload")
+                        assert st == 200 and body["version"] == 2, body
+                        reloaded = True
+                        ws.send(json.dumps({"type": "generate", "id": "b", "prompt": PROMPTS[0], "max_tokens": 8,
+                                            "temperature": 0}))
+                elif m["id"] == "a":
+                    final = m
+            assert reloaded and final["type"] == "done", final
+            assert b_final["type"] == "done", b_final  # the one submitted after the reload, on version 2
+            assert "".join(texts) == ref["choices"][0]["text"]
+
+
+def test_drain_timeout_ends_what_the_old_version_still_runs():
+    with running_server("--reload-drain-timeout-s", "0.5") as (port, proc):
+        client = client_for(port)
+        stream = client.completions.create(model="default", prompt=PROMPTS[1], max_tokens=4000, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        it = iter(stream)
+        next(it)
+        st, body = request(port, "POST", "/admin/reload")
+        assert st == 200, body
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError) as err:  # the SSE error event, then [DONE]
+            for _ in it:
+                pass
+        assert "drain timeout" in str(err.value)
+        assert time.monotonic() - t0 < 10
+        wait_drained(port)
+        assert client.completions.create(model="default", prompt=PROMPTS[0], max_tokens=4, temperature=0).choices[0].text
+
+
+def test_reload_needs_the_admin_key():
+    with running_server("--api-key", "user-key", "--admin-api-key", "admin-key") as (port, proc):
+        st, body = request(port, "POST", "/admin/reload")
+        assert st == 401, body
+        st, body = request(port, "POST", "/admin/reload", headers={"Authorization": "Bearer user-key"})
+        assert st == 401 and "admin" in body["error"]["message"], body
+        st, body = request(port, "POST", "/admin/reload", headers={"Authorization": "Bearer admin-key"})
+        assert st == 200 and body["version"] == 2, body
+        st, body = request(port, "GET", "/admin/reload", headers={"Authorization": "Bearer admin-key"})
+        assert st == 405, body
