@@ -222,3 +222,59 @@ def test_reload_needs_the_admin_key():
         assert st == 200 and body["version"] == 2, body
         st, body = request(port, "GET", "/admin/reload", headers={"Authorization": "Bearer admin-key"})
         assert st == 405, body
+
+
+def test_reload_to_another_model_switches_tokenizer_and_limits(tiny_dir):
+    """Each version brings its own tokenizer, chat template and context limit: after a reload to a
+    tiny generated model (byte-level vocabulary, 256 positions) requests are tokenized, limited and
+    answered as that model served alone answers them; a reload back gives the first model's."""
+    tiny = tiny_dir / "llama_f32_gqa2.gguf"
+    body = {"prompt": "hello world", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with running_server("--model", str(tiny)) as (port, _):
+        st, tiny_alone = request(port, "POST", "/v1/completions", body)
+        assert st == 200
+        st, tiny_tokens = request(port, "POST", "/tokenize", {"prompt": "hello world"})
+        assert st == 200
+    with running_server() as (port, _):
+        st, ref = request(port, "POST", "/v1/completions", body)
+        assert st == 200
+        st, ref_tokens = request(port, "POST", "/tokenize", {"prompt": "hello world"})
+        assert ref_tokens != tiny_tokens
+        st, r = request(port, "POST", "/admin/reload", {"model_path": str(tiny)})
+        assert st == 200 and r["version"] == 2, r
+        st, got = request(port, "POST", "/v1/completions", body)
+        assert st == 200 and got["choices"][0]["text"] == tiny_alone["choices"][0]["text"]
+        assert got["model"] == "default"  # the served name is kept
+        assert request(port, "POST", "/tokenize", {"prompt": "hello world"})[1] == tiny_tokens
+        st, models = request(port, "GET", "/v1/models")
+        assert models["data"][0]["max_model_len"] == 256
+        st, err = request(port, "POST", "/v1/completions", {"prompt": "x" * 400, "max_tokens": 4})
+        assert st == 400, err
+        st, r = request(port, "POST", "/admin/reload", {"model_path": str(MODEL)})
+        assert st == 200 and r["version"] == 3, r
+        st, back = request(port, "POST", "/v1/completions", body)
+        assert st == 200 and back["choices"][0]["text"] == ref["choices"][0]["text"]
+
+
+def test_a_second_reload_while_one_runs_gets_409():
+    with running_server() as (port, _):
+        statuses = []
+        for _ in range(5):
+            barrier = threading.Barrier(2)
+            out = []
+
+            def fire():
+                barrier.wait()
+                out.append(request(port, "POST", "/admin/reload")[0])
+
+            threads = [threading.Thread(target=fire) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            assert sorted(out) in ([200, 200], [200, 409]), out
+            statuses += out
+            if 409 in out:
+                break
+        assert 409 in statuses, statuses
+        assert metric(port, "troupe_model_version") == 1 + statuses.count(200)
