@@ -57,50 +57,61 @@ void cpu_forward::resize(int64_t n) {
   grow(gate_, n * hp.d_ff);
   grow(up_, n * hp.d_ff);
   grow(cos_sin_, n * hp.n_rot);
+  if (hp.sliding_window > 0) grow(cos_sin_swa_, n * hp.n_rot);
 }
 
-// Splits each row's positions [0, pos] into parts of attention_part_positions, so a decode at a
-// long context spreads over the threads (flash-decoding). The split depends on the row alone,
-// never on the rest of the batch: a row's logits stay bit-identical whatever shares its step.
-// When parts are fewer than two per thread (short contexts), each part's KV heads are split into
-// items too (heads are independent: no effect on the numbers). Items are taken longest first,
-// one at a time, so a prefill's causal rows (row r attends to r + 1 positions) balance.
-void cpu_forward::plan_attention(int64_t n) {
+// Splits each row's positions [lo, pos] (lo = 0, or the first position of a sliding window of
+// `window` positions) into parts of attention_part_positions, so a decode at a long context
+// spreads over the threads (flash-decoding). The split depends on the row alone, never on the
+// rest of the batch: a row's logits stay bit-identical whatever shares its step. When parts are
+// fewer than two per thread (short contexts), each part's KV heads are split into items too
+// (heads are independent: no effect on the numbers). Items are taken longest first, one at a
+// time, so a prefill's causal rows (row r attends to r + 1 positions) balance.
+void cpu_forward::plan_attention(int64_t n, int64_t window, attn_plan& plan) {
   const auto& hp = m_.hparams();
   const int64_t nth = pool_.size();
   const int64_t len = attention_part_positions;
-  int64_t max_len = 0;
-  parts_.clear();
-  row_parts_.assign((size_t)n + 1, 0);
+  plan.max_len = 0;
+  plan.parts.clear();
+  plan.row_parts.assign((size_t)n + 1, 0);
   for (int64_t r = 0; r < n; ++r) {
-    row_parts_[(size_t)r] = (int64_t)parts_.size();
-    const int64_t n_pos = pos_[(size_t)r] + 1;
-    for (int64_t p0 = 0; p0 < n_pos; p0 += len) {
-      parts_.push_back({r, p0, std::min(n_pos, p0 + len)});
-      max_len = std::max(max_len, parts_.back().p1 - p0);
+    plan.row_parts[(size_t)r] = (int64_t)plan.parts.size();
+    const int64_t end = pos_[(size_t)r] + 1;
+    for (int64_t p0 = window > 0 ? std::max<int64_t>(0, end - window) : 0; p0 < end; p0 += len) {
+      plan.parts.push_back({r, p0, std::min(end, p0 + len)});
+      plan.max_len = std::max(plan.max_len, plan.parts.back().p1 - p0);
     }
   }
-  row_parts_[(size_t)n] = (int64_t)parts_.size();
-  const auto n_parts = (int64_t)parts_.size();
+  plan.row_parts[(size_t)n] = (int64_t)plan.parts.size();
+  const auto n_parts = (int64_t)plan.parts.size();
   const int group = hp.n_heads / hp.n_kv_heads;
   const int splits = (int)std::clamp<int64_t>((2 * nth + n_parts - 1) / n_parts, 1, hp.n_kv_heads);
-  items_.clear();
-  row_items_.assign((size_t)n, 0);
+  plan.items.clear();
+  plan.row_items.assign((size_t)n, 0);
   for (int64_t i = 0; i < n_parts; ++i)
     for (int c = 0; c < splits; ++c) {
       const int k0 = hp.n_kv_heads * c / splits, k1 = hp.n_kv_heads * (c + 1) / splits;
-      items_.push_back({i, k0 * group, k1 * group});
-      ++row_items_[(size_t)parts_[(size_t)i].row];
+      plan.items.push_back({i, k0 * group, k1 * group});
+      ++plan.row_items[(size_t)plan.parts[(size_t)i].row];
     }
   auto cost = [&](const attn_item& it) {
-    return (parts_[(size_t)it.part].p1 - parts_[(size_t)it.part].p0) * (it.h1 - it.h0);
+    return (plan.parts[(size_t)it.part].p1 - plan.parts[(size_t)it.part].p0) * (it.h1 - it.h0);
   };
-  std::stable_sort(items_.begin(), items_.end(), [&](const attn_item& a, const attn_item& b) { return cost(a) > cost(b); });
+  std::stable_sort(plan.items.begin(), plan.items.end(), [&](const attn_item& a, const attn_item& b) { return cost(a) > cost(b); });
   grow(part_m_, n_parts * hp.n_heads);
   grow(part_l_, n_parts * hp.n_heads);
   grow(part_acc_, n_parts * hp.n_heads * hp.head_dim);
-  scratch_per_thread_ = kernels::attention_scratch_floats(hp.n_heads, hp.head_dim, max_len);
+  scratch_per_thread_ = std::max(scratch_per_thread_, kernels::attention_scratch_floats(hp.n_heads, hp.head_dim, plan.max_len));
   grow(attn_scratch_, nth * scratch_per_thread_);
+}
+
+// h_ = RMSNorm(h_) * w, row by row (Gemma's norm of each block's output before the residual add).
+void cpu_forward::post_norm(const std::vector<float>& w, int64_t n) {
+  const auto& hp = m_.hparams();
+  const int64_t d = hp.d_model;
+  pool_.parallel_for(n, 8, [&](int64_t r0, int64_t r1, int) {
+    for (int64_t r = r0; r < r1; ++r) kernels::rmsnorm_row(&h_[(size_t)(r * d)], w.data(), &h_[(size_t)(r * d)], d, hp.norm_eps);
+  });
 }
 
 const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch) {
@@ -120,24 +131,33 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
       pos_[(size_t)r] = batch[ci].pos0 + j;
       row_seq_[(size_t)r] = {(int32_t)ci, (int32_t)j};
     }
-  plan_attention(n);
+  plan_attention(n, 0, full_);
+  if (hp.sliding_window > 0) plan_attention(n, hp.sliding_window, window_);
 
-  // Embeddings and RoPE angles.
+  // Embeddings (Gemma: times sqrt(d_model)) and RoPE angles (sliding-window layers: their own base).
   const auto& emb = m_.token_embd();
   const float* freq = m_.rope_freq_factors().empty() ? nullptr : m_.rope_freq_factors().data();
+  const float embd_scale = hp.gemma ? std::sqrt((float)d) : 1.0f;
   pool_.parallel_for(n, 4, [&](int64_t r0, int64_t r1, int) {
     for (int64_t r = r0; r < r1; ++r) {
       const auto [ci, j] = row_seq_[(size_t)r];
       const token_id t = batch[(size_t)ci].tokens[(size_t)j];
-      kernels::dequantize_row(emb.type, (const uint8_t*)emb.data + (size_t)t * emb.row_stride, &x_[(size_t)(r * d)], d);
+      float* x = &x_[(size_t)(r * d)];
+      kernels::dequantize_row(emb.type, (const uint8_t*)emb.data + (size_t)t * emb.row_stride, x, d);
+      if (embd_scale != 1.0f)
+        for (int64_t i = 0; i < d; ++i) x[i] *= embd_scale;
       kernels::rope_cos_sin(pos_[(size_t)r], hp.n_rot, hp.rope_base, freq, &cos_sin_[(size_t)(r * hp.n_rot)]);
+      if (hp.sliding_window > 0)
+        kernels::rope_cos_sin(pos_[(size_t)r], hp.n_rot, hp.rope_base_swa, freq, &cos_sin_swa_[(size_t)(r * hp.n_rot)]);
     }
   });
 
-  const float attn_scale = 1.0f / std::sqrt((float)hp.head_dim);
+  const float attn_scale = hp.attn_scale > 0 ? hp.attn_scale : 1.0f / std::sqrt((float)hp.head_dim);
   for (int il = 0; il < hp.n_layers; ++il) {
     const layer_weights& L = m_.layer(il);
     const kernels::kv_layer_view kv = kv_.layer(il);
+    const attn_plan& plan = L.sliding ? window_ : full_;
+    const std::vector<float>& cos_sin = L.sliding ? cos_sin_swa_ : cos_sin_;
 
     // Attention block: norm, Q/K/V projections, RoPE, KV write.
     pool_.parallel_for(n, 8, [&](int64_t r0, int64_t r1, int) {
@@ -155,7 +175,11 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
           for (int64_t i = 0; i < kvd; ++i) k[i] += L.bk[(size_t)i];
           for (int64_t i = 0; i < kvd; ++i) v[i] += L.bv[(size_t)i];
         }
-        const float* cs = &cos_sin_[(size_t)(r * hp.n_rot)];
+        if (!L.q_norm.empty()) {  // QK-norm: each head's query and key RMS-normalised
+          for (int h = 0; h < hp.n_heads; ++h) kernels::rmsnorm_row(q + h * hp.head_dim, L.q_norm.data(), q + h * hp.head_dim, hp.head_dim, hp.norm_eps);
+          for (int h = 0; h < hp.n_kv_heads; ++h) kernels::rmsnorm_row(k + h * hp.head_dim, L.k_norm.data(), k + h * hp.head_dim, hp.head_dim, hp.norm_eps);
+        }
+        const float* cs = &cos_sin[(size_t)(r * hp.n_rot)];
         kernels::rope_row(q, hp.n_heads, hp.head_dim, hp.n_rot, cs, hp.rope);
         kernels::rope_row(k, hp.n_kv_heads, hp.head_dim, hp.n_rot, cs, hp.rope);
         const auto [ci, j] = row_seq_[(size_t)r];
@@ -166,27 +190,28 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
 
     // Attention over the paged cache: threads take items in turn; whoever finishes a row's last
     // item merges that row's parts.
-    row_left_ = row_items_;
+    row_left_ = plan.row_items;
     std::atomic<int64_t> next{0};
     pool_.run([&](int ith, int) {
       float* scratch = &attn_scratch_[(size_t)(ith * scratch_per_thread_)];
-      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < (int64_t)items_.size();) {
-        const attn_item& it = items_[(size_t)i];
-        const attn_part& pt = parts_[(size_t)it.part];
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < (int64_t)plan.items.size();) {
+        const attn_item& it = plan.items[(size_t)i];
+        const attn_part& pt = plan.parts[(size_t)it.part];
         const auto [ci, j] = row_seq_[(size_t)pt.row];
         const int64_t at = it.part * hp.n_heads + it.h0;
         kernels::attention_partial(&q_[(size_t)(pt.row * qd)], hp.n_heads, pt.p0, pt.p1, kv,
                                    batch[(size_t)ci].block_table.data(), attn_scale, it.h0, it.h1, &part_m_[(size_t)at],
                                    &part_l_[(size_t)at], &part_acc_[(size_t)(at * hp.head_dim)], scratch);
         if (std::atomic_ref<int32_t>(row_left_[(size_t)pt.row]).fetch_sub(1, std::memory_order_acq_rel) == 1) {
-          const int64_t first = row_parts_[(size_t)pt.row];
-          kernels::attention_merge((int)(row_parts_[(size_t)pt.row + 1] - first), hp.n_heads, hp.head_dim,
+          const int64_t first = plan.row_parts[(size_t)pt.row];
+          kernels::attention_merge((int)(plan.row_parts[(size_t)pt.row + 1] - first), hp.n_heads, hp.head_dim,
                                    &part_m_[(size_t)(first * hp.n_heads)], &part_l_[(size_t)(first * hp.n_heads)],
                                    &part_acc_[(size_t)(first * qd)], &o_[(size_t)(pt.row * qd)]);
         }
       }
     });
     kernels::matmul(L.wo, o_.data(), qd, n, h_.data(), d, pool_);
+    if (!L.post_attn_norm.empty()) post_norm(L.post_attn_norm, n);
     for (int64_t i = 0; i < n * d; ++i) x_[(size_t)i] += h_[(size_t)i];
 
     // Feed-forward block: norm, SwiGLU, down projection, residual.
@@ -196,9 +221,11 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
     const kernels::matmul_out gate_up[2] = {{L.w_gate, gate_.data(), hp.d_ff}, {L.w_up, up_.data(), hp.d_ff}};
     kernels::matmul_batch(gate_up, h_.data(), d, n, pool_);
     pool_.parallel_for(n, 4, [&](int64_t r0, int64_t r1, int) {
-      kernels::swiglu(&gate_[(size_t)(r0 * hp.d_ff)], &up_[(size_t)(r0 * hp.d_ff)], (r1 - r0) * hp.d_ff);
+      if (hp.gemma) kernels::geglu(&gate_[(size_t)(r0 * hp.d_ff)], &up_[(size_t)(r0 * hp.d_ff)], (r1 - r0) * hp.d_ff);
+      else kernels::swiglu(&gate_[(size_t)(r0 * hp.d_ff)], &up_[(size_t)(r0 * hp.d_ff)], (r1 - r0) * hp.d_ff);
     });
     kernels::matmul(L.w_down, gate_.data(), hp.d_ff, n, h_.data(), d, pool_);
+    if (!L.post_ffn_norm.empty()) post_norm(L.post_ffn_norm, n);
     for (int64_t i = 0; i < n * d; ++i) x_[(size_t)i] += h_[(size_t)i];
   }
 

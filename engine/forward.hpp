@@ -46,13 +46,15 @@ class cpu_forward {
 
  private:
   void resize(int64_t n_tokens);
-  void plan_attention(int64_t n_tokens);
+  void post_norm(const std::vector<float>& w, int64_t n_tokens);
+  struct attn_plan;
+  void plan_attention(int64_t n_tokens, int64_t window, attn_plan& plan);
 
   const model& m_;
   kv_storage& kv_;
   kernels::thread_pool& pool_;
   // Scratch, grown on demand and reused across steps.
-  std::vector<float> x_, h_, q_, k_, v_, o_, gate_, up_, cos_sin_, attn_scratch_, out_rows_, logits_;
+  std::vector<float> x_, h_, q_, k_, v_, o_, gate_, up_, cos_sin_, cos_sin_swa_, attn_scratch_, out_rows_, logits_;
   // Attention work: a row's positions split into parts (a long context spreads over the
   // threads), a part's heads into items when parts alone are too few to feed every thread.
   struct attn_part {
@@ -62,10 +64,15 @@ class cpu_forward {
     int64_t part;
     int h0, h1;
   };
-  std::vector<attn_part> parts_;
-  std::vector<attn_item> items_;          // longest first: threads take them in turn
-  std::vector<int64_t> row_parts_;        // row r's parts are [row_parts_[r], row_parts_[r + 1])
-  std::vector<int32_t> row_items_, row_left_;  // items per row; those not done in this layer
+  struct attn_plan {
+    std::vector<attn_part> parts;
+    std::vector<attn_item> items;      // longest first: threads take them in turn
+    std::vector<int64_t> row_parts;    // row r's parts are [row_parts[r], row_parts[r + 1])
+    std::vector<int32_t> row_items;    // items per row
+    int64_t max_len = 0;               // positions of the longest part
+  };
+  attn_plan full_, window_;            // causal attention; a sliding window's (Gemma 3)
+  std::vector<int32_t> row_left_;      // items of each row not done in this layer
   std::vector<float> part_m_, part_l_, part_acc_;
   int64_t scratch_per_thread_ = 0;
   std::vector<int64_t> pos_;

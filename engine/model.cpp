@@ -17,17 +17,26 @@ int64_t require_int(const gguf_file& f, const std::string& key) {
   return *v;
 }
 
-// A matrix of n_out rows of n_in weights.
-kernels::weight_view matrix(const gguf_file& f, const std::string& name, int64_t n_in, int64_t n_out) {
+// A matrix of n_out rows of n_in weights, viewed in the file; q5_0 is repacked into `owned` as
+// q8_0 (the same values exactly), the type the matmul kernels read.
+kernels::weight_view matrix(const gguf_file& f, const std::string& name, int64_t n_in, int64_t n_out,
+                            std::vector<std::unique_ptr<uint8_t[]>>& owned) {
   const int64_t ne[2] = {n_in, n_out};
   const gguf_tensor& t = f.tensor(name, ne);
-  const auto& tr = kernels::traits(t.type);
   kernels::weight_view w;
   w.type = t.type;
   w.data = t.data;
   w.n_in = n_in;
   w.n_out = n_out;
-  w.row_stride = (size_t)kernels::row_bytes(tr, n_in);
+  if (t.type == kernels::dtype::q5_0) {
+    const int64_t n_blocks = n_in * n_out / 32;
+    owned.push_back(std::make_unique<uint8_t[]>((size_t)n_blocks * sizeof(kernels::block_q8_0)));
+    kernels::repack_q5_0_to_q8_0(reinterpret_cast<const kernels::block_q5_0*>(t.data),
+                                 reinterpret_cast<kernels::block_q8_0*>(owned.back().get()), n_blocks);
+    w.type = kernels::dtype::q8_0;
+    w.data = owned.back().get();
+  }
+  w.row_stride = (size_t)kernels::row_bytes(kernels::traits(w.type), n_in);
   return w;
 }
 
@@ -55,8 +64,11 @@ std::unique_ptr<model> model::load(const std::string& path) {
     hp.rope = kernels::rope_style::normal;
   } else if (hp.arch == "qwen2") {
     hp.rope = kernels::rope_style::neox;
+  } else if (hp.arch == "gemma3") {
+    hp.rope = kernels::rope_style::neox;
+    hp.gemma = true;
   } else {
-    fail(f, "unsupported architecture '" + hp.arch + "' (supported: llama, mistral, qwen2)");
+    fail(f, "unsupported architecture '" + hp.arch + "' (supported: llama, mistral, qwen2, gemma3)");
   }
   hp.name = f.get_string("general.name").value_or(hp.arch);
   const std::string a = hp.arch + ".";
@@ -77,6 +89,14 @@ std::unique_ptr<model> model::load(const std::string& path) {
   if (hp.n_rot <= 0 || hp.n_rot > hp.head_dim || hp.n_rot % 2) fail(f, "impossible rope.dimension_count " + std::to_string(hp.n_rot));
   if (hp.head_dim % 8) fail(f, "head size " + std::to_string(hp.head_dim) + " is not a multiple of 8");
   if (!(hp.norm_eps > 0) || !(hp.rope_base > 0)) fail(f, "impossible rms epsilon or rope base");
+  if (hp.gemma) {
+    // As llama.cpp: every 6th layer attends globally (RoPE base from the file), the others to a
+    // sliding window (base 10000); the 27B model (62 layers) scales queries by
+    // 1/sqrt(d_model / n_heads), the others by 1/sqrt(head_dim).
+    hp.sliding_window = (int)f.get_int(a + "attention.sliding_window").value_or(0);
+    if (hp.sliding_window < 0) fail(f, "impossible attention.sliding_window " + std::to_string(hp.sliding_window));
+    if (hp.n_layers == 62) hp.attn_scale = 1.0f / std::sqrt((float)hp.d_model / (float)hp.n_heads);
+  }
 
   m->tok_ = tokenizer::from_gguf(f);
   const gguf_tensor* emb = f.find_tensor("token_embd.weight");
@@ -88,9 +108,9 @@ std::unique_ptr<model> model::load(const std::string& path) {
                 std::to_string(m->tok_->n_vocab()) + " tokens");
 
   const int64_t d = hp.d_model, q_dim = (int64_t)hp.n_heads * hp.head_dim, kv_dim = (int64_t)hp.n_kv_heads * hp.head_dim;
-  m->token_embd_ = matrix(f, "token_embd.weight", d, hp.n_vocab);
+  m->token_embd_ = matrix(f, "token_embd.weight", d, hp.n_vocab, m->owned_);
   hp.tied_output = f.find_tensor("output.weight") == nullptr;
-  m->output_ = hp.tied_output ? m->token_embd_ : matrix(f, "output.weight", d, hp.n_vocab);
+  m->output_ = hp.tied_output ? m->token_embd_ : matrix(f, "output.weight", d, hp.n_vocab, m->owned_);
   m->output_norm_ = vector_f32(f, "output_norm.weight", d);
   if (f.find_tensor("rope_freqs.weight")) m->rope_freqs_ = vector_f32(f, "rope_freqs.weight", hp.n_rot / 2);
 
@@ -100,13 +120,20 @@ std::unique_ptr<model> model::load(const std::string& path) {
     layer_weights& l = m->layers_[(size_t)il];
     l.attn_norm = vector_f32(f, p + "attn_norm.weight", d);
     l.ffn_norm = vector_f32(f, p + "ffn_norm.weight", d);
-    l.wq = matrix(f, p + "attn_q.weight", d, q_dim);
-    l.wk = matrix(f, p + "attn_k.weight", d, kv_dim);
-    l.wv = matrix(f, p + "attn_v.weight", d, kv_dim);
-    l.wo = matrix(f, p + "attn_output.weight", q_dim, d);
-    l.w_gate = matrix(f, p + "ffn_gate.weight", d, hp.d_ff);
-    l.w_up = matrix(f, p + "ffn_up.weight", d, hp.d_ff);
-    l.w_down = matrix(f, p + "ffn_down.weight", hp.d_ff, d);
+    l.wq = matrix(f, p + "attn_q.weight", d, q_dim, m->owned_);
+    l.wk = matrix(f, p + "attn_k.weight", d, kv_dim, m->owned_);
+    l.wv = matrix(f, p + "attn_v.weight", d, kv_dim, m->owned_);
+    l.wo = matrix(f, p + "attn_output.weight", q_dim, d, m->owned_);
+    l.w_gate = matrix(f, p + "ffn_gate.weight", d, hp.d_ff, m->owned_);
+    l.w_up = matrix(f, p + "ffn_up.weight", d, hp.d_ff, m->owned_);
+    l.w_down = matrix(f, p + "ffn_down.weight", hp.d_ff, d, m->owned_);
+    if (hp.gemma) {
+      l.q_norm = vector_f32(f, p + "attn_q_norm.weight", hp.head_dim);
+      l.k_norm = vector_f32(f, p + "attn_k_norm.weight", hp.head_dim);
+      l.post_attn_norm = vector_f32(f, p + "post_attention_norm.weight", d);
+      l.post_ffn_norm = vector_f32(f, p + "post_ffw_norm.weight", d);
+      l.sliding = hp.sliding_window > 0 && il % 6 < 5;
+    }
     if (f.find_tensor(p + "attn_q.bias")) {
       l.bq = vector_f32(f, p + "attn_q.bias", q_dim);
       l.bk = vector_f32(f, p + "attn_k.bias", kv_dim);

@@ -29,10 +29,18 @@ struct model_hparams {
   float norm_eps = 1e-5f;
   kernels::rope_style rope = kernels::rope_style::normal;
   bool tied_output = false;
+  // Gemma 3 (arch "gemma3"); the defaults leave the Llama-family forward unchanged.
+  bool gemma = false;           // embeddings x sqrt(d_model), QK-norm, sandwich norms, GELU gate
+  float attn_scale = 0;         // softmax scale of QK^T; 0: 1/sqrt(head_dim)
+  int sliding_window = 0;       // positions a sliding-window layer attends to (itself included); 0: none
+  float rope_base_swa = 10000;  // RoPE base of the sliding-window layers
 };
 
 struct layer_weights {
   std::vector<float> attn_norm, ffn_norm;
+  std::vector<float> q_norm, k_norm;                  // per-head RMSNorm of Q and K (Gemma 3); else empty
+  std::vector<float> post_attn_norm, post_ffn_norm;   // RMSNorm of each block's output (Gemma 3); else empty
+  bool sliding = false;                               // attends to the last hparams.sliding_window positions only
   std::vector<float> bq, bk, bv;  // empty when the model has no attention biases
   kernels::weight_view wq, wk, wv, wo;
   kernels::weight_view w_gate, w_up, w_down;
@@ -63,6 +71,7 @@ class model {
   std::vector<layer_weights> layers_;
   kernels::weight_view token_embd_, output_;
   std::vector<float> output_norm_, rope_freqs_;
+  std::vector<std::unique_ptr<uint8_t[]>> owned_;  // weights repacked at load (q5_0 -> q8_0)
 };
 
 }  // namespace troupe::engine

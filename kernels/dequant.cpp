@@ -46,6 +46,25 @@ void dequant_q4_1(const block_q4_1* x, float* y, int64_t n_blocks) {
   }
 }
 
+// The signed 5-bit values (-16..15) of a q5_0 block, in weight order.
+void q5_0_values(const block_q5_0& b, int8_t* v) {
+  uint32_t qh;
+  std::memcpy(&qh, b.qh, sizeof qh);
+  for (int j = 0; j < 16; ++j) {
+    v[j] = (int8_t)(((b.qs[j] & 0x0f) | (((qh >> j) & 1) << 4)) - 16);
+    v[j + 16] = (int8_t)(((b.qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+  }
+}
+
+void dequant_q5_0(const block_q5_0* x, float* y, int64_t n_blocks) {
+  int8_t v[32];
+  for (int64_t b = 0; b < n_blocks; ++b, y += 32) {
+    const float d = fp16_to_f32(x[b].d);
+    q5_0_values(x[b], v);
+    for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(v[j]) * d;
+  }
+}
+
 void dequant_q8_0(const block_q8_0* x, float* y, int64_t n_blocks) {
   for (int64_t b = 0; b < n_blocks; ++b, y += 32) {
     const float d = fp16_to_f32(x[b].d);
@@ -131,6 +150,13 @@ void dequant_q6_k(const block_q6_k* x, float* y, int64_t n_blocks) {
 
 }  // namespace
 
+void repack_q5_0_to_q8_0(const block_q5_0* x, block_q8_0* y, int64_t n_blocks) {
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    y[b].d = x[b].d;
+    q5_0_values(x[b], y[b].qs);
+  }
+}
+
 void dequantize_row(dtype t, const void* src, float* dst, int64_t n) {
   const int64_t n_blocks = n / traits(t).block_size;
   switch (t) {
@@ -145,6 +171,8 @@ void dequantize_row(dtype t, const void* src, float* dst, int64_t n) {
       return dequant_q4_0(static_cast<const block_q4_0*>(src), dst, n_blocks);
     case dtype::q4_1:
       return dequant_q4_1(static_cast<const block_q4_1*>(src), dst, n_blocks);
+    case dtype::q5_0:
+      return dequant_q5_0(static_cast<const block_q5_0*>(src), dst, n_blocks);
     case dtype::q8_0:
       return dequant_q8_0(static_cast<const block_q8_0*>(src), dst, n_blocks);
     case dtype::q4_k:

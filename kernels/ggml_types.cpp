@@ -8,11 +8,12 @@ namespace troupe::kernels {
 namespace {
 
 // Block sizes and byte sizes as ggml defines them (GGML_QUANT_SIZES in gguf-py).
-constexpr std::array<dtype_traits, 9> all_traits{{
+constexpr std::array<dtype_traits, 10> all_traits{{
     {dtype::f32, "F32", 1, 4},
     {dtype::f16, "F16", 1, 2},
     {dtype::q4_0, "Q4_0", 32, sizeof(block_q4_0)},
     {dtype::q4_1, "Q4_1", 32, sizeof(block_q4_1)},
+    {dtype::q5_0, "Q5_0", 32, sizeof(block_q5_0)},
     {dtype::q8_0, "Q8_0", 32, sizeof(block_q8_0)},
     {dtype::q4_k, "Q4_K", qk_k, sizeof(block_q4_k)},
     {dtype::q5_k, "Q5_K", qk_k, sizeof(block_q5_k)},

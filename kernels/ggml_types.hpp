@@ -13,6 +13,7 @@ enum class dtype : uint32_t {
   f16 = 1,
   q4_0 = 2,
   q4_1 = 3,
+  q5_0 = 6,  // read by the loader only: repacked to q8_0 (exactly) when a model is loaded
   q8_0 = 8,
   q4_k = 12,
   q5_k = 13,
@@ -34,6 +35,11 @@ struct block_q4_0 {  // 32 weights: w = (q - 8) * d; qs[j] low nibble -> j, high
 struct block_q4_1 {  // 32 weights: w = q * d + m
   fp16_t d;
   fp16_t m;
+  uint8_t qs[16];
+};
+struct block_q5_0 {  // 32 weights: w = (q - 16) * d, q = low nibble (qs, as q4_0) | bit j of qh << 4
+  fp16_t d;
+  uint8_t qh[4];
   uint8_t qs[16];
 };
 struct block_q8_0 {  // 32 weights: w = q * d
@@ -61,6 +67,7 @@ struct block_q6_k {  // 256 weights in 16 sub-blocks of 16, 8-bit signed scales
 };
 static_assert(sizeof(block_q4_0) == 18);
 static_assert(sizeof(block_q4_1) == 20);
+static_assert(sizeof(block_q5_0) == 22);
 static_assert(sizeof(block_q8_0) == 34);
 static_assert(sizeof(block_q4_k) == 144);
 static_assert(sizeof(block_q5_k) == 176);

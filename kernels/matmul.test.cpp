@@ -99,6 +99,7 @@ weights make_weights(dtype t, int64_t n_out, int64_t n_in, size_t pad, std::mt19
           put(0, tk::f32_to_bf16(normal(rng) * 0.1f));
           break;
         case dtype::q4_0:
+        case dtype::q5_0:
         case dtype::q8_0:
           put(0, random_scale(rng, -0.02f, 0.02f));
           break;

@@ -153,6 +153,8 @@ kernel find_kernel_avx2(dtype t) {
       return {act_kind::q8_k, gemm_kquant<dtype::q5_k>};
     case dtype::q6_k:
       return {act_kind::q8_k, gemm_kquant<dtype::q6_k>};
+    case dtype::q5_0:  // repacked to q8_0 when a model is loaded (engine::model)
+      return {};
   }
   return {};
 }

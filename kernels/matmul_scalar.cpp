@@ -222,6 +222,8 @@ kernel find_kernel_scalar(dtype t) {
       return {act_kind::q8_k, gemm<dtype::q5_k>};
     case dtype::q6_k:
       return {act_kind::q8_k, gemm<dtype::q6_k>};
+    case dtype::q5_0:  // repacked to q8_0 when a model is loaded (engine::model)
+      return {};
   }
   return {};
 }

@@ -110,6 +110,14 @@ void swiglu(float* gate, const float* up, int64_t n) {
   }
 }
 
+void geglu(float* gate, const float* up, int64_t n) {
+  constexpr float sqrt_2_over_pi = 0.79788456080286535588f, coef = 0.044715f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    gate[i] = 0.5f * g * (1.0f + std::tanh(sqrt_2_over_pi * g * (1.0f + coef * g * g))) * up[i];
+  }
+}
+
 void kv_store_row(const kv_layer_view& kv, int32_t block, int slot, const float* k, const float* v) {
   for (int h = 0; h < kv.n_kv_heads; ++h) {
     store_f16(kv.k_at(block, slot, h), k + (int64_t)h * kv.head_dim, kv.head_dim);

@@ -28,6 +28,9 @@ void rope_cos_sin(int64_t pos, int n_rot, float base, const float* freq_factors,
 /// gate[i] = silu(gate[i]) * up[i], n elements.
 void swiglu(float* gate, const float* up, int64_t n);
 
+/// gate[i] = gelu(gate[i]) * up[i] with GELU's tanh approximation (as ggml and Gemma), n elements.
+void geglu(float* gate, const float* up, int64_t n);
+
 /// A paged KV cache view for one layer: block b holds K and V for block_size positions of
 /// n_kv_heads heads, head_dim fp16 values each. K of (block, slot, head) is at
 /// k_base + block * block_stride + slot * slot_step() + head * head_step(); V likewise.

@@ -2,10 +2,12 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
 
+#include "kernels/dequant.hpp"
 #include "kernels/fp16.hpp"
 
 using namespace troupe::kernels;
@@ -148,4 +150,26 @@ TEST_CASE("swiglu is silu(gate) * up", "[ops]") {
   auto g = randn(37, 7), u = randn(37, 8), ref = g;
   swiglu(g.data(), u.data(), 37);
   for (int i = 0; i < 37; ++i) REQUIRE(g[i] == Approx(ref[i] / (1 + std::exp(-ref[i])) * u[i]).epsilon(1e-5));
+}
+
+TEST_CASE("q5_0 blocks repacked as q8_0 keep every weight exactly", "[kernels][quant]") {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::vector<troupe::kernels::block_q5_0> q5(64);
+  for (auto& b : q5) {
+    auto* p = reinterpret_cast<uint8_t*>(&b);
+    for (size_t i = 0; i < sizeof b; ++i) p[i] = (uint8_t)byte(rng);
+    b.d = troupe::kernels::f32_to_fp16(std::normal_distribution<float>(0.0f, 0.05f)(rng));
+  }
+  std::vector<troupe::kernels::block_q8_0> q8(q5.size());
+  troupe::kernels::repack_q5_0_to_q8_0(q5.data(), q8.data(), (int64_t)q5.size());
+  std::vector<float> a(q5.size() * 32), b(a.size());
+  troupe::kernels::dequantize_row(troupe::kernels::dtype::q5_0, q5.data(), a.data(), (int64_t)a.size());
+  troupe::kernels::dequantize_row(troupe::kernels::dtype::q8_0, q8.data(), b.data(), (int64_t)b.size());
+  REQUIRE(a == b);
+  int lo = 0, hi = 0;  // every 5-bit value reached, -16 and 15 among them
+  for (const auto& blk : q8)
+    for (int8_t v : blk.qs) lo = std::min<int>(lo, v), hi = std::max<int>(hi, v);
+  CHECK(lo == -16);
+  CHECK(hi == 15);
 }

