@@ -110,11 +110,26 @@ void swiglu(float* gate, const float* up, int64_t n) {
   }
 }
 
+// GELU, tanh form: 0.5 g (1 + tanh(u)) = g * sigmoid(2u), u = sqrt(2/pi) (g + 0.044715 g^3); the
+// sigmoid from e = exp(-|2u|) (never overflows): 1 / (1 + e) for u >= 0, e / (1 + e) below.
 void geglu(float* gate, const float* up, int64_t n) {
-  constexpr float sqrt_2_over_pi = 0.79788456080286535588f, coef = 0.044715f;
-  for (int64_t i = 0; i < n; ++i) {
+  constexpr float two_c = 2.0f * 0.79788456080286535588f, coef = 0.044715f;
+  int64_t i = 0;
+  const __m256 vc = _mm256_set1_ps(two_c), va = _mm256_set1_ps(coef), one = _mm256_set1_ps(1.0f);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 t = _mm256_mul_ps(_mm256_mul_ps(vc, g), _mm256_fmadd_ps(_mm256_mul_ps(va, g), g, one));  // 2u
+    const __m256 e = exp256_neg(_mm256_or_ps(t, sign));  // exp(-|2u|)
+    const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), t);  // t < 0 (sign bit): e / (1 + e)
+    _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) {
     const float g = gate[i];
-    gate[i] = 0.5f * g * (1.0f + std::tanh(sqrt_2_over_pi * g * (1.0f + coef * g * g))) * up[i];
+    const float t = two_c * g * (1.0f + coef * g * g);
+    const float e = std::exp(-std::fabs(t));
+    gate[i] = g * (t >= 0 ? 1.0f / (1.0f + e) : e / (1.0f + e)) * up[i];
   }
 }
 

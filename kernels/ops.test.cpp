@@ -152,6 +152,22 @@ TEST_CASE("swiglu is silu(gate) * up", "[ops]") {
   for (int i = 0; i < 37; ++i) REQUIRE(g[i] == Approx(ref[i] / (1 + std::exp(-ref[i])) * u[i]).epsilon(1e-5));
 }
 
+TEST_CASE("geglu is gelu_tanh(gate) * up, for large and tiny gates of either sign", "[ops]") {
+  auto g = randn(1003, 9), u = randn(1003, 10);
+  for (int i = 0; i < 1003; i += 7) g[(size_t)i] *= 40;  // deep in both tails: tanh saturates
+  g[3] = 0, g[4] = -0.0f, g[5] = 1e-30f, g[6] = -90.0f, g[8] = 90.0f;
+  auto ref = g;
+  geglu(g.data(), u.data(), 1003);
+  for (int i = 0; i < 1003; ++i) {
+    const double x = ref[(size_t)i];
+    // 0.5 x (1 + tanh(v)) as x / (1 + exp(-2v)): in the far negative tail 1 + tanh(v) rounds to 0.
+    const double v = std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x);
+    const double want = x / (1 + std::exp(-2 * v)) * u[(size_t)i];
+    INFO("i=" << i << " x=" << x << " got=" << (double)g[(size_t)i] << " want=" << want);
+    REQUIRE(g[(size_t)i] == Approx(want).epsilon(1e-5).margin(1e-30));
+  }
+}
+
 TEST_CASE("q5_0 blocks repacked as q8_0 keep every weight exactly", "[kernels][quant]") {
   std::mt19937 rng(5);
   std::uniform_int_distribution<int> byte(0, 255);
