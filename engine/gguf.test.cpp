@@ -385,8 +385,8 @@ TEST_CASE("gguf: each corruption is one gguf_error naming the file and the culpr
     g.tensors[1].type = 99;
     check(g, {"tensor 'w'", "unsupported tensor type 99"});
     g = small_model();
-    g.tensors[1].type = 6;  // Q5_0: a real ggml type troupe does not support
-    check(g, {"tensor 'w'", "unsupported tensor type 6 (Q5_0)"});
+    g.tensors[1].type = 7;  // Q5_1: a real ggml type troupe does not support
+    check(g, {"tensor 'w'", "unsupported tensor type 7 (Q5_1)"});
     g = small_model();
     g.tensors[1].ne = {32, 1, 1, 1, 3};
     check(g, {"tensor 'w'", "5 dimensions"});
