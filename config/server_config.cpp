@@ -126,6 +126,7 @@ const std::vector<key_spec>& keys() {
       {"engine", "kv_block_size", engine_int_key(&engine_config::kv_block_size)},
       {"engine", "batch_size", engine_int_key(&engine_config::n_batch)},
       {"engine", "kv_mb", int_key(&server_config::kv_mb)},
+      {"engine", "chat_template", string_key(&server_config::chat_template)},
       {"engine", "device",
        [](const toml::node& n, server_config& c) -> std::string {
          const auto v = n.value_exact<std::string>();
@@ -249,6 +250,10 @@ std::string validate(const server_config& c) {
     return range_error("engine.device", "--device", "\"cpu\", \"cuda\" or \"cuda:N\"", "\"" + e.device + "\"");
   }
   if (c.kv_mb < 1 || c.kv_mb > (int64_t(1) << 24)) return range_error("engine.kv_mb", "--kv-mb", "in [1, 16777216]", std::to_string(c.kv_mb));
+  if (!c.chat_template.empty() && c.chat_template != "chatml" && c.chat_template != "llama3" && c.chat_template != "gemma" &&
+      c.chat_template != "mistral")
+    return range_error("engine.chat_template", "--chat-template", "\"\" (the model's own), \"chatml\", \"llama3\", \"gemma\" or \"mistral\"",
+                       "\"" + c.chat_template + "\"");
 
   if (c.max_num_seqs < 1 || c.max_num_seqs > 65536) return range_error("scheduler.max_num_seqs", "--max-num-seqs", "in [1, 65536]", std::to_string(c.max_num_seqs));
   if (c.max_waiting < 0 || c.max_waiting > INT32_MAX) return range_error("scheduler.max_waiting", "--max-waiting", "in [0, 2147483647]", std::to_string(c.max_waiting));
@@ -296,7 +301,7 @@ std::string describe(const server_config& c) {
     << "[engine]\n"
     << "model = " << quote(e.model_path) << "\nthreads = " << e.n_threads << "\nctx_size = " << e.n_ctx
     << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\nkv_mb = " << c.kv_mb
-    << "\ndevice = " << quote(e.device) << "\n"
+    << "\ndevice = " << quote(e.device) << "\nchat_template = " << quote(c.chat_template) << "\n"
     << "[scheduler]\n"
     << "max_num_seqs = " << c.max_num_seqs << "\nmax_waiting = " << c.max_waiting << "\nmax_waiting_tokens = " << c.max_waiting_tokens
     << "\nqueue_timeout_s = " << num(c.queue_timeout_s) << "\npreemption = " << quote(c.preemption)

@@ -54,6 +54,7 @@ struct server_config {
   // the serve cache size is kv_mb)
   engine_config engine;
   int64_t kv_mb = 256;                // device KV cache size in MiB
+  std::string chat_template;          // "": the model's own; else chatml, llama3, gemma or mistral
 
   // [scheduler]
   int64_t max_num_seqs = 64;          // sequences decoded together at most

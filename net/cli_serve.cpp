@@ -55,7 +55,7 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       field("--preemption", &c::preemption), field("--plan-ahead", &c::plan_ahead),
       field("--target-itl-ms", &c::target_itl_ms), field("--itl-stretch", &c::itl_stretch),
       field("--min-prefill-tokens", &c::min_prefill_tokens), field("--reload-drain-timeout-s", &c::reload_drain_timeout_s),
-      field("--reload-warmup-timeout-s", &c::reload_warmup_timeout_s), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
+      field("--reload-warmup-timeout-s", &c::reload_warmup_timeout_s), field("--chat-template", &c::chat_template), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
   };
   return v;
 }
@@ -118,7 +118,7 @@ int run_serve(serve_opts& o) {
 
   // One version of the served model; a reload builds the next one the same way, from its file.
   const int64_t created = (int64_t)std::time(nullptr);
-  auto load = [eo, n_ctx = ec.n_ctx, max_n = (int32_t)c.max_n, created](const std::string& path) {
+  auto load = [eo, n_ctx = ec.n_ctx, max_n = (int32_t)c.max_n, created, family = c.chat_template](const std::string& path) {
     auto v = std::make_unique<net::served_model>();
     actors::engine_options o = eo;
     o.model_path = path;
@@ -138,9 +138,10 @@ int run_serve(serve_opts& o) {
     const std::string src = m.file().get_string("tokenizer.chat_template").value_or("");
     const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : "";
     const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : "";
-    api.chat = engine::chat_template::detect(src, bos, eos);
+    api.chat = family.empty() ? engine::chat_template::detect(src, bos, eos) : engine::chat_template::from_name(family, bos, eos);
     if (!api.chat)
-      std::fprintf(stderr, "troupe serve: %s: the chat template is not recognized; /v1/chat/completions will refuse requests\n", path.c_str());
+      std::fprintf(stderr, "troupe serve: %s: %s; /v1/chat/completions will refuse requests (--chat-template names one)\n", path.c_str(),
+                   src.empty() ? "the model has no chat template" : "the chat template is not recognized");
     return v;
   };
   net::model_slot_options so;
@@ -190,6 +191,9 @@ action add_serve(CLI::App& app) {
   cmd->add_option("--ws-max-generations", f.ws_max_generations, "WebSocket: live generations per socket")->capture_default_str();
   cmd->add_option("--ws-idle-timeout-s", f.ws_idle_timeout_s, "WebSocket: idle socket closed after this long (ping at half)")->capture_default_str();
   cmd->add_option("--ws-send-buffer-bytes", f.ws_send_buffer_bytes, "WebSocket: SO_SNDBUF of the socket (0: the system's)")->capture_default_str();
+  cmd->add_option("--chat-template", f.chat_template,
+                  "chat format instead of the model's own template: chatml, llama3, gemma or mistral (\"\": the model's)")
+      ->capture_default_str();
   cmd->add_option("--reload-drain-timeout-s", f.reload_drain_timeout_s,
                   "hot reload: a replaced model version's generations still running after this long are ended")
       ->capture_default_str();

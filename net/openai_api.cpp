@@ -107,7 +107,7 @@ std::string message_content(const json& m, size_t i) {
 std::vector<engine::token_id> chat_prompt(const json& body, const api_context& ctx) {
   const json* msgs = field(body, "messages");
   if (!msgs || !msgs->is_array() || msgs->empty()) throw bad_param("messages", "'messages' must be a non-empty array");
-  if (!ctx.chat) throw bad_param("messages", "the served model's chat template is not one troupe can render; use /v1/completions");
+  if (!ctx.chat) throw bad_param("messages", "the served model has no chat template troupe can render: start the server with --chat-template (chatml, llama3, gemma, mistral), or use /v1/completions");
   std::vector<engine::chat_message> conv;
   for (size_t i = 0; i < msgs->size(); ++i) {
     const json& m = (*msgs)[i];

@@ -129,3 +129,29 @@ def test_served_over_http():
         conn.request("GET", "/v1/models")
         models = json.loads(conn.getresponse().read())
         assert models["data"][0]["id"] == "gemma3-270m"
+
+
+def test_chat_needs_a_template_and_takes_the_named_one():
+    """The file carries no chat template: chat is refused (400 naming --chat-template) until the
+    server is told the family; then a chat request is the completion of the Gemma-rendered prompt."""
+    import http.client
+    import json
+
+    def post(port, path, body):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+
+    msgs = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a fruit."}]
+    with running_server("--model", str(GEMMA)) as (port, _):
+        st, body = post(port, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4})
+        assert st == 400 and "--chat-template" in body["error"]["message"], body
+    with running_server("--model", str(GEMMA), "--chat-template", "gemma") as (port, _):
+        st, chat = post(port, "/v1/chat/completions", {"messages": msgs, "max_tokens": 12, "temperature": 0})
+        assert st == 200, chat
+        rendered = "<start_of_turn>user\nAnswer briefly.\n\nName a fruit.<end_of_turn>\n<start_of_turn>model\n"
+        st, comp = post(port, "/v1/completions", {"prompt": rendered, "max_tokens": 12, "temperature": 0})
+        assert st == 200, comp
+        assert chat["choices"][0]["message"]["content"] == comp["choices"][0]["text"]
+        assert chat["usage"]["prompt_tokens"] == comp["usage"]["prompt_tokens"]
