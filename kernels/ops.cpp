@@ -103,8 +103,18 @@ void rope_row(float* x, int n_heads, int head_dim, int n_rot, const float* cos_s
   }
 }
 
+// g * sigmoid(g) * up, the sigmoid from e = exp(-|g|) as in geglu.
 void swiglu(float* gate, const float* up, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = exp256_neg(_mm256_or_ps(g, sign));
+    const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), g);
+    _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) {
     const float g = gate[i];
     gate[i] = g / (1.0f + std::exp(-g)) * up[i];
   }
