@@ -5,7 +5,8 @@
 #      same machine): tokens/s and latencies as `name value unit` lines;
 #   2. `--device cuda:7` refused at start with one line naming it;
 #   3. a GPU server and a CPU server over HTTP, compared by scripts/gpu_e2e_client.py (greedy
-#      prefixes, a seeded request sampled on the device twice, a logprobs request).
+#      prefixes, a seeded request sampled on the device twice, a logprobs request, two hot
+#      reloads of the GPU server: same greedy output after, every replaced executor unloaded).
 #
 #   scripts/gpu-e2e.sh SERVE_DIR MODEL        (SERVE_DIR holds bin/troupe and lib/)
 # Every server is stopped on exit. Exit status: the first failure's.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 import urllib.error
@@ -31,8 +32,8 @@ PROMPTS = [
 ]
 
 
-def post(url: str, body: dict, timeout: float = 60.0) -> dict:
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+def post(url: str, body: dict, timeout: float = 60.0, path: str = "/v1/completions") -> dict:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
@@ -115,6 +116,27 @@ def main() -> int:
     lp_ok = len(tl) == 4 and all(isinstance(x, (int, float)) and x <= 0 for x in tl)
     print(f"check logprobs {'ok' if lp_ok else 'FAIL'}")
     ok &= lp_ok
+
+    # Hot reload on the device: a second executor (weights, KV, graphs) is built beside the serving
+    # one, then the first is destroyed on the slot's thread while the new one serves. Twice, then
+    # the first greedy prompt again, and every replaced version unloaded (no hang in teardown).
+    body = {"prompt": PROMPTS[0], "max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True}
+    before = post(a.gpu, body)["choices"][0]["text"]
+    versions = [post(a.gpu, {}, timeout=300, path="/admin/reload").get("version") for _ in range(2)]
+    after = post(a.gpu, body)["choices"][0]["text"]
+    draining = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(a.gpu + "/metrics", timeout=10) as r:
+            m = re.search(r"^troupe_model_versions_draining (\S+)$", r.read().decode(), re.M)
+        draining = float(m.group(1)) if m else None
+        if draining == 0:
+            break
+        time.sleep(0.2)
+    print(json.dumps({"reload_versions": versions, "same_output": before == after, "draining": draining}))
+    reload_ok = versions == [2, 3] and before == after and draining == 0
+    print(f"check reload {'ok' if reload_ok else 'FAIL'}")
+    ok &= reload_ok
     return 0 if ok else 1
 
 
