@@ -80,7 +80,11 @@ std::shared_ptr<const served_model> model_slot::current() const {
 reload_result model_slot::reload(const std::string& requested) {
   std::unique_lock busy(reload_mu_, std::try_to_lock);
   if (!busy.owns_lock()) throw reload_error(409, "a reload is already in progress");
-  std::shared_ptr<served_model> old = std::const_pointer_cast<served_model>(current());
+  std::shared_ptr<served_model> old;
+  {
+    std::lock_guard lk(mu_);
+    old = current_;
+  }
   const std::string path = requested.empty() ? old->path : requested;
   auto refuse = [&](int status, const std::string& why) -> reload_error {
     {
