@@ -422,8 +422,10 @@ class server {
     auto [st, err] = co_await engine_stats();
     if (!st) co_return error_response(http_error(503, "the engine does not answer: " + err, "unavailable"), ver, keep);
     const bool ok = st->executor_alive && !st->circuit_open;
+    const model_slot_stats ms = models_.stats();
     json j{{"status", ok ? "ready" : "unavailable"}, {"running", st->n_running}, {"waiting", st->n_waiting},
-           {"executor_alive", st->executor_alive}, {"circuit_open", st->circuit_open}};
+           {"executor_alive", st->executor_alive}, {"circuit_open", st->circuit_open},
+           {"model_version", ms.version}, {"draining_versions", ms.n_retired}};
     co_return json_response(ok ? http::status::ok : http::status::service_unavailable, dump(j), ver, keep);
   }
 

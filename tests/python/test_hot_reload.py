@@ -162,6 +162,7 @@ def test_reloads_under_load_fail_no_request(tmp_path):
                                          temperature=0).choices[0].text == ref[0]
         st, ready = request(port, "GET", "/ready")
         assert st == 200 and ready["running"] == 0
+        assert ready["model_version"] == 5 and ready["draining_versions"] == 0
 
 
 def test_websocket_generation_spans_a_reload():
