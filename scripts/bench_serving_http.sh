@@ -6,11 +6,13 @@
 # Prints one JSON line per system and level.
 # TROUPE_VARIANTS: ';'-separated extra `troupe serve` arguments, one troupe run per variant and
 # level (e.g. TROUPE_VARIANTS=";--target-itl-ms 100" runs the defaults, then the ITL target).
+# MODEL: the GGUF both serve (default: models/default.gguf).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 levels=${LEVELS:-1 4 16 64}
 threads=${THREADS:-2}
 bin=${TROUPE_BIN:-$root/build/troupe}
+model=${MODEL:-$root/models/default.gguf}
 py="$root/.venv/bin/python"
 server=$("$root/scripts/build_llama_server.sh" | tail -1)
 IFS=';' read -r -a variants <<< "${TROUPE_VARIANTS:-}"
@@ -20,7 +22,7 @@ for n in $levels; do
   for variant in "${variants[@]}"; do
     log=$(mktemp)
     # shellcheck disable=SC2086  # a variant is a list of arguments
-    "$bin" serve --host 127.0.0.1 --port 0 -t "$threads" --max-num-seqs "$n" --max-waiting 4096 $variant >"$log" 2>&1 &
+    "$bin" serve --model "$model" --host 127.0.0.1 --port 0 -t "$threads" --max-num-seqs "$n" --max-waiting 4096 $variant >"$log" 2>&1 &
     pid=$!
     trap 'kill $pid 2>/dev/null || true' EXIT
     port=""
@@ -35,6 +37,6 @@ for n in $levels; do
   kill "$pid"; wait "$pid" 2>/dev/null || true
   rm -f "$log"
   done
-  "$py" "$root/load_tests/run_llama_server.py" --bin "$server" --concurrency "$n" --threads "$threads" \
+  "$py" "$root/load_tests/run_llama_server.py" --bin "$server" --gguf "$model" --concurrency "$n" --threads "$threads" \
     --prompt-len 128 --gen-len 128 --requests "$req" --warmup 1 --json | sed 's/^/llama-server /' | grep '^llama-server {'
 done
