@@ -2,6 +2,7 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <csignal>
 #include <ctime>
 #include <filesystem>
 #include <functional>
@@ -70,6 +71,9 @@ config::server_config effective_config(const serve_opts& o) {
 }
 
 int run_serve(serve_opts& o) {
+  // SIGHUP means "reload" to the running server (http_server.cpp); until it listens, a SIGHUP is
+  // ignored rather than ending the process with its default action.
+  std::signal(SIGHUP, SIG_IGN);
   config::server_config c = effective_config(o);
   config::engine_config& ec = c.engine;
   if (ec.model_path.empty()) ec.model_path = config::default_model_path();
