@@ -114,6 +114,7 @@ const std::vector<key_spec>& keys() {
       {"websocket", "send_buffer_bytes", int_key(&server_config::ws_send_buffer_bytes)},
       {"reload", "drain_timeout_s", double_key(&server_config::reload_drain_timeout_s)},
       {"reload", "warmup_timeout_s", double_key(&server_config::reload_warmup_timeout_s)},
+      {"reload", "max_models", int_key(&server_config::max_models)},
       {"engine", "model",
        [](const toml::node& n, server_config& c) -> std::string {
          const auto v = n.value_exact<std::string>();
@@ -222,6 +223,7 @@ std::string validate(const server_config& c) {
     return range_error("reload.drain_timeout_s", "--reload-drain-timeout-s", ">= 0", num(c.reload_drain_timeout_s));
   if (!(c.reload_warmup_timeout_s > 0) || !std::isfinite(c.reload_warmup_timeout_s))
     return range_error("reload.warmup_timeout_s", "--reload-warmup-timeout-s", "> 0", num(c.reload_warmup_timeout_s));
+  if (c.max_models < 1 || c.max_models > 64) return range_error("reload.max_models", "--max-models", "in [1, 64]", std::to_string(c.max_models));
   if (c.n_io_threads < 1 || c.n_io_threads > 256) return range_error("server.io_threads", "--io-threads", "in [1, 256]", std::to_string(c.n_io_threads));
   if (c.max_n < 1 || c.max_n > 128) return range_error("server.max_n", "--max-n", "in [1, 128]", std::to_string(c.max_n));
 
@@ -297,7 +299,8 @@ std::string describe(const server_config& c) {
     << "\nsend_timeout_s = " << num(c.ws_send_timeout_s) << "\nmax_generations = " << c.ws_max_generations
     << "\nidle_timeout_s = " << num(c.ws_idle_timeout_s) << "\nsend_buffer_bytes = " << c.ws_send_buffer_bytes << "\n"
     << "[reload]\n"
-    << "drain_timeout_s = " << num(c.reload_drain_timeout_s) << "\nwarmup_timeout_s = " << num(c.reload_warmup_timeout_s) << "\n"
+    << "drain_timeout_s = " << num(c.reload_drain_timeout_s) << "\nwarmup_timeout_s = " << num(c.reload_warmup_timeout_s)
+    << "\nmax_models = " << c.max_models << "\n"
     << "[engine]\n"
     << "model = " << quote(e.model_path) << "\nthreads = " << e.n_threads << "\nctx_size = " << e.n_ctx
     << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\nkv_mb = " << c.kv_mb

@@ -49,6 +49,7 @@ struct server_config {
   // [reload]  (POST /admin/reload, SIGHUP: a new model version beside the serving one)
   double reload_drain_timeout_s = 600;     // a replaced version's generations are ended after this long
   double reload_warmup_timeout_s = 120;    // the new version's warm-up generation must finish within it
+  int64_t max_models = 4;                  // models served at once (the default + /admin/models/load)
 
   // [engine]  (model_path, n_threads, n_ctx, kv_block_size, n_batch; max_kv_bytes is unused:
   // the serve cache size is kv_mb)

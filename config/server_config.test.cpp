@@ -141,6 +141,7 @@ TEST_CASE("server_config: out-of-range values are named by validate()", "[config
       {"[server]\nmax_connections = 0", "server.max_connections"},
       {"[server]\nshutdown_grace_s = -1", "server.shutdown_grace_s"},
       {"[engine]\nchat_template = \"jinja\"", "engine.chat_template (--chat-template)"},
+      {"[reload]\nmax_models = 0", "reload.max_models (--max-models) must be in [1, 64]"},
       {"[reload]\ndrain_timeout_s = -1", "reload.drain_timeout_s (--reload-drain-timeout-s) must be >= 0"},
       {"[reload]\nwarmup_timeout_s = 0", "reload.warmup_timeout_s (--reload-warmup-timeout-s) must be > 0"},
       {"[server]\nio_threads = 0", "server.io_threads"},

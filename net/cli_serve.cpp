@@ -56,7 +56,8 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       field("--preemption", &c::preemption), field("--plan-ahead", &c::plan_ahead),
       field("--target-itl-ms", &c::target_itl_ms), field("--itl-stretch", &c::itl_stretch),
       field("--min-prefill-tokens", &c::min_prefill_tokens), field("--reload-drain-timeout-s", &c::reload_drain_timeout_s),
-      field("--reload-warmup-timeout-s", &c::reload_warmup_timeout_s), field("--chat-template", &c::chat_template), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
+      field("--reload-warmup-timeout-s", &c::reload_warmup_timeout_s), field("--chat-template", &c::chat_template),
+      field("--max-models", &c::max_models), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
   };
   return v;
 }
@@ -132,7 +133,6 @@ int run_serve(serve_opts& o) {
     net::api_context& api = v->api;
     api.tok = &tok;
     if (!m.hparams().name.empty()) api.aliases.push_back(m.hparams().name);
-    api.aliases.push_back("default");
     api.created = created;
     const auto st = v->engine->stats();
     int64_t limit = std::min<int64_t>(m.hparams().n_ctx_train, (int64_t)st.n_device_blocks * o.kv_block_size);
@@ -151,7 +151,7 @@ int run_serve(serve_opts& o) {
   net::model_slot_options so;
   so.drain_timeout_s = c.reload_drain_timeout_s;
   so.warmup_timeout_s = c.reload_warmup_timeout_s;
-  net::model_slot models(load, ec.model_path, so);
+  net::model_registry models(load, ec.model_path, so, (size_t)c.max_models);
   return net::run_http_server(http, models);
 }
 
@@ -197,6 +197,8 @@ action add_serve(CLI::App& app) {
   cmd->add_option("--ws-send-buffer-bytes", f.ws_send_buffer_bytes, "WebSocket: SO_SNDBUF of the socket (0: the system's)")->capture_default_str();
   cmd->add_option("--chat-template", f.chat_template,
                   "chat format instead of the model's own template: chatml, llama3, gemma or mistral (\"\": the model's)")
+      ->capture_default_str();
+  cmd->add_option("--max-models", f.max_models, "models served at once: the default plus those added with POST /admin/models/load")
       ->capture_default_str();
   cmd->add_option("--reload-drain-timeout-s", f.reload_drain_timeout_s,
                   "hot reload: a replaced model version's generations still running after this long are ended")

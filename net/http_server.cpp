@@ -170,7 +170,7 @@ class event_waiter {
 
 class server {
  public:
-  server(const server_options& o, model_slot& models) : opts_(o), models_(models), acceptor_(ioc_), signals_(ioc_, SIGINT, SIGTERM), hup_(ioc_, SIGHUP) {}
+  server(const server_options& o, model_registry& models) : opts_(o), models_(models), acceptor_(ioc_), signals_(ioc_, SIGINT, SIGTERM), hup_(ioc_, SIGHUP) {}
 
   int run() {
     tcp::endpoint ep(asio::ip::make_address(opts_.host), opts_.port);
@@ -182,7 +182,7 @@ class server {
     acceptor_.listen(asio::socket_base::max_listen_connections);
     const auto bound = acceptor_.local_endpoint();
     std::printf("troupe serve: listening on http://%s:%u (model %s)\n", bound.address().to_string().c_str(),
-                (unsigned)bound.port(), models_.current()->api.model_id.c_str());
+                (unsigned)bound.port(), models_.find("")->api.model_id.c_str());
     std::fflush(stdout);
     signals_.async_wait([this](const beast::error_code& e, int sig) {
       if (e) return;
@@ -209,7 +209,7 @@ class server {
       if (e || stopping_) return;
       asio::post(blocking_, [this] {
         try {
-          models_.reload("");
+          models_.reload("", "");
         } catch (const std::exception&) {  // model_slot logged why; the old version serves on
         }
       });
@@ -368,7 +368,8 @@ class server {
                                    {"/v1/models", http::verb::get},       {"/health", http::verb::get},
                                    {"/ready", http::verb::get},           {"/tokenize", http::verb::post},
                                    {"/detokenize", http::verb::post},     {"/metrics", http::verb::get},
-                                   {"/v1/ws", http::verb::get},           {"/admin/reload", http::verb::post}};
+                                   {"/v1/ws", http::verb::get},           {"/admin/reload", http::verb::post},
+                                   {"/admin/models/load", http::verb::post}, {"/admin/models/unload", http::verb::post}};
     const route* found = nullptr;
     for (const auto& r : routes)
       if (path == r.path) found = &r;
@@ -379,8 +380,6 @@ class server {
       co_return co_await write_response(stream, std::move(res));
     }
     api_error err;
-    const std::shared_ptr<const served_model> model = models_.current();  // this request's version, held to its end
-    const api_context& api = model->api;
     try {
       if (path == "/v1/ws") {  // a GET without the upgrade headers
         response res = error_response(http_error(426, "/v1/ws is a WebSocket endpoint: send an upgrade request", "upgrade_required"), ver, keep);
@@ -390,10 +389,16 @@ class server {
       if (path == "/health") co_return co_await write_response(stream, json_response(http::status::ok, R"({"status":"ok"})", ver, keep));
       if (path == "/ready") co_return co_await write_response(stream, co_await ready(ver, keep));
       if (path == "/metrics") co_return co_await write_response(stream, co_await metrics_response(ver, keep));
-      if (path == "/v1/models") co_return co_await write_response(stream, json_response(http::status::ok, dump(models_list(*model)), ver, keep));
-      const json body = req.body().empty() && path == "/admin/reload" ? json::object() : json::parse(req.body(), nullptr, false);
+      if (path == "/v1/models") co_return co_await write_response(stream, json_response(http::status::ok, dump(models_list()), ver, keep));
+      const bool admin = path.starts_with("/admin/");
+      const json body = req.body().empty() && admin ? json::object() : json::parse(req.body(), nullptr, false);
       if (body.is_discarded()) throw api_exception(http_error(400, "the request body is not valid JSON", "invalid_json"));
-      if (path == "/admin/reload") co_return co_await write_response(stream, co_await reload(body, ver, keep));
+      if (admin) co_return co_await write_response(stream, co_await model_admin(path, body, ver, keep));
+      // The version of the model the request names (none: the default), held to the request's end.
+      std::string name;
+      if (auto m = body.is_object() ? body.find("model") : body.end(); body.is_object() && m != body.end() && m->is_string()) name = m->get<std::string>();
+      const std::shared_ptr<const served_model> model = models_.find(name);
+      const api_context& api = model->api;
       if (path == "/tokenize") co_return co_await write_response(stream, json_response(http::status::ok, dump(tokenize(body, api)), ver, keep));
       if (path == "/detokenize") co_return co_await write_response(stream, json_response(http::status::ok, dump(detokenize(body, api)), ver, keep));
       const completion_request creq = parse_completion(body, path == "/v1/completions" ? endpoint::completions : endpoint::chat, api);
@@ -410,7 +415,7 @@ class server {
   awaitable<std::pair<std::optional<actors::engine_stats>, std::string>> engine_stats() {
     try {
       auto st = co_await asio::co_spawn(
-          blocking_, [this]() -> awaitable<actors::engine_stats> { co_return models_.current()->engine->stats(std::chrono::seconds(2)); },
+          blocking_, [this]() -> awaitable<actors::engine_stats> { co_return models_.find("")->engine->stats(std::chrono::seconds(2)); },
           asio::use_awaitable);
       co_return std::pair{std::optional(std::move(st)), std::string()};
     } catch (const std::exception& e) {
@@ -455,34 +460,58 @@ class server {
     co_return res;
   }
 
-  // /v1/models: the version serving now, with troupe's own fields beside OpenAI's.
-  static json models_list(const served_model& m) {
-    json j = m.api.models_list();
-    for (auto& e : j["data"]) e["troupe"] = {{"version", m.version}, {"path", m.path}, {"load_s", m.load_s}};
-    return j;
+  // /v1/models: the current version of every model served, troupe's own fields beside OpenAI's.
+  json models_list() const {
+    json data = json::array();
+    for (const auto& m : models_.all()) {
+      json e = m->api.models_list()["data"][0];
+      e["troupe"] = {{"version", m->version}, {"path", m->path}, {"load_s", m->load_s}};
+      data.push_back(std::move(e));
+    }
+    return json{{"object", "list"}, {"data", std::move(data)}};
   }
 
-  // A member coroutine, not a capturing lambda: its argument lives in its own frame.
-  awaitable<reload_result> reload_on_pool(std::string path) { co_return models_.reload(path); }
-
-  // POST /admin/reload {"model_path": FILE} (absent: the served file again): loads and warms the
-  // new version on the blocking pool, then switches to it; requests in flight finish on theirs.
-  awaitable<response> reload(const json& body, unsigned ver, bool keep) {
-    if (!body.is_object()) throw bad_param("", "the request body must be a JSON object");
-    std::string path;
-    if (auto it = body.find("model_path"); it != body.end()) {
-      if (!it->is_string() || it->get<std::string>().empty()) throw bad_param("model_path", "'model_path' must be a non-empty string (a GGUF file on the server)");
-      path = it->get<std::string>();
+  // The operator's model endpoints, run on the blocking pool (a load takes seconds). A member
+  // coroutine, not a capturing lambda: its arguments live in its own frame.
+  awaitable<json> model_admin_on_pool(std::string path, std::string name, std::string file) {
+    if (path == "/admin/models/unload") {
+      models_.unload(name);
+      co_return json{{"object", "model.unload"}, {"model", name}};
     }
+    if (path == "/admin/models/load") {
+      const auto m = models_.load(name, file);
+      co_return json{{"object", "model.load"}, {"model", m->api.model_id}, {"version", m->version}, {"path", m->path}, {"load_s", m->load_s}};
+    }
+    const reload_result r = models_.reload(name, file);
+    co_return json{{"object", "reload"}, {"model", models_.find(name)->api.model_id}, {"version", r.version},
+                   {"previous_version", r.previous}, {"path", r.path}, {"load_s", r.load_s}};
+  }
+
+  // POST /admin/reload {"model": NAME, "model_path": FILE}: both optional (the default model; its
+  // served file again); the new version is loaded and warmed beside the serving one, then takes
+  // new requests while those in flight finish on theirs.
+  // POST /admin/models/load {"model": NAME, "model_path": FILE}; POST /admin/models/unload {"model": NAME}.
+  awaitable<response> model_admin(const std::string& path, const json& body, unsigned ver, bool keep) {
+    if (!body.is_object()) throw bad_param("", "the request body must be a JSON object");
+    auto text = [&](const char* key, bool required) {
+      auto it = body.find(key);
+      if (it == body.end()) {
+        if (required) throw bad_param(key, std::string("'") + key + "' is required");
+        return std::string();
+      }
+      if (!it->is_string() || it->get<std::string>().empty()) throw bad_param(key, std::string("'") + key + "' must be a non-empty string");
+      return it->get<std::string>();
+    };
+    const bool load = path == "/admin/models/load", unload = path == "/admin/models/unload";
+    const std::string name = text("model", load || unload), file = unload ? std::string() : text("model_path", load);
     if (stopping_) throw api_exception(error_for(actors::gen_error::unavailable, "the server is stopping"));
     try {
-      const reload_result r = co_await asio::co_spawn(blocking_, reload_on_pool(path), asio::use_awaitable);
-      json j{{"object", "reload"}, {"model", models_.current()->api.model_id}, {"version", r.version}, {"previous_version", r.previous},
-             {"path", r.path}, {"load_s", r.load_s}};
+      const json j = co_await asio::co_spawn(blocking_, model_admin_on_pool(path, name, file), asio::use_awaitable);
       co_return json_response(http::status::ok, dump(j), ver, keep);
     } catch (const reload_error& e) {
-      throw api_exception(http_error(e.status, e.what(), e.status == 409 ? "reload_in_progress" : e.status == 400 ? "invalid_model" : "reload_failed",
-                                     e.status == 400 ? "model_path" : ""));
+      const char* code = e.status == 409 ? "conflict" : e.status == 404 ? "model_not_found" : e.status == 400 ? "invalid_model" : "load_failed";
+      const char* param = e.status == 404 ? "model" : e.status == 400 && !unload ? "model_path" : "";
+      throw api_exception(http_error(e.status, e.what(), code, param));
     }
   }
 
@@ -575,7 +604,7 @@ class server {
   }
 
   server_options opts_;
-  model_slot& models_;
+  model_registry& models_;
   asio::io_context ioc_;
   tcp::acceptor acceptor_;
   asio::signal_set signals_, hup_;
@@ -588,7 +617,7 @@ class server {
 
 }  // namespace
 
-int run_http_server(const server_options& opts, model_slot& models) {
+int run_http_server(const server_options& opts, model_registry& models) {
   server s(opts, models);
   return s.run();
 }

@@ -32,8 +32,9 @@ struct server_options {
 /// SIGINT or SIGTERM: then it accepts nothing new, lets generations in flight finish for
 /// shutdown_grace_s, cancels the rest (their clients get a 503 error), and returns. Returns the
 /// process exit code. Throws std::runtime_error when it cannot bind. Each request runs on the
-/// version of `models` current when it arrives; POST /admin/reload and SIGHUP reload it
-/// (model_slot.hpp). `models` must outlive the call.
-int run_http_server(const server_options& opts, model_slot& models);
+/// current version of the model it names (none: the default); POST /admin/reload and SIGHUP
+/// reload a model, /admin/models/load and /unload add and remove models (model_slot.hpp).
+/// `models` must outlive the call.
+int run_http_server(const server_options& opts, model_registry& models);
 
 }  // namespace troupe::net

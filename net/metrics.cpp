@@ -106,12 +106,13 @@ std::string metrics_registry::render(const actors::engine_stats* engine, const m
   queue.render(out, "troupe_request_queue_time_seconds");
 
   if (models) {
-    sample(out, "troupe_model_version", (int64_t)models->version, "gauge", "Version of the served model new requests go to (1 at start, +1 per reload).");
-    header(out, "troupe_model_reloads_total", "counter", "Model reloads (POST /admin/reload, SIGHUP) by result.");
+    sample(out, "troupe_models_loaded", (int64_t)models->n_models, "gauge", "Models served: the default and those loaded with /admin/models/load.");
+    sample(out, "troupe_model_version", (int64_t)models->version, "gauge", "Version of the default model new requests go to (1 at start, +1 per reload).");
+    header(out, "troupe_model_reloads_total", "counter", "Reloads of the default model (POST /admin/reload, SIGHUP) by result.");
     out += "troupe_model_reloads_total{result=\"ok\"} " + fmt(models->reloads_ok) + "\n";
     out += "troupe_model_reloads_total{result=\"failed\"} " + fmt(models->reloads_failed) + "\n";
     sample(out, "troupe_model_versions_draining", (int64_t)models->n_retired, "gauge",
-           "Replaced versions still finishing the generations they hold.");
+           "Replaced versions of the default model still finishing the generations they hold.");
   }
   sample(out, "troupe_engine_up", (int64_t)(engine != nullptr), "gauge", "1 when the engine answered the stats query of this scrape.");
   if (!engine) return out;

@@ -1,5 +1,7 @@
 #include "net/model_slot.hpp"
 
+#include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <sstream>
@@ -41,8 +43,12 @@ void warm_up(served_model& m, double timeout_s) {
 
 }  // namespace
 
-model_slot::model_slot(loader load, const std::string& path, model_slot_options opts)
-    : load_(std::move(load)), opts_(opts), name_(std::filesystem::path(path).stem().string()) {
+model_slot::model_slot(loader load, const std::string& path, model_slot_options opts, std::string name,
+                       std::vector<std::string> aliases)
+    : load_(std::move(load)),
+      opts_(opts),
+      name_(name.empty() ? std::filesystem::path(path).stem().string() : std::move(name)),
+      aliases_(std::move(aliases)) {
   current_ = build(path);
   current_->version = 1;
   reaper_ = std::thread([this] { reaper(); });
@@ -66,6 +72,7 @@ std::shared_ptr<served_model> model_slot::build(const std::string& path) {
   // The served name stays the one clients were given; the new file's own names are aliases.
   const std::string stem = std::filesystem::path(path).stem().string();
   if (stem != name_) m->api.aliases.insert(m->api.aliases.begin(), stem);
+  m->api.aliases.insert(m->api.aliases.end(), aliases_.begin(), aliases_.end());
   m->api.model_id = name_;
   warm_up(*m, opts_.warmup_timeout_s);
   m->load_s = seconds_since(t0);
@@ -85,6 +92,7 @@ reload_result model_slot::reload(const std::string& requested) {
     std::lock_guard lk(mu_);
     old = current_;
   }
+  if (!old) throw reload_error(404, "the model '" + name_ + "' was unloaded");
   const std::string path = requested.empty() ? old->path : requested;
   auto refuse = [&](int status, const std::string& why) -> reload_error {
     {
@@ -126,7 +134,23 @@ reload_result model_slot::reload(const std::string& requested) {
 
 model_slot_stats model_slot::stats() const {
   std::lock_guard lk(mu_);
-  return {current_->version, reloads_ok_, reloads_failed_, retired_.size()};
+  return {current_ ? current_->version : 0, reloads_ok_, reloads_failed_, retired_.size()};
+}
+
+void model_slot::close() {
+  {
+    std::lock_guard busy(reload_mu_);  // after a reload in flight
+    std::lock_guard lk(mu_);
+    if (!current_) return;
+    retired_.push_back({std::move(current_), clock::now() + std::chrono::milliseconds((int64_t)(opts_.drain_timeout_s * 1000))});
+    current_.reset();
+  }
+  cv_.notify_all();
+}
+
+bool model_slot::drained() const {
+  std::lock_guard lk(mu_);
+  return !current_ && retired_.empty();
 }
 
 // Every 50 ms while versions are retired: one that only this slot holds is destroyed here (never
@@ -164,6 +188,156 @@ void model_slot::reaper() {
     lk.lock();
     cv_.wait_for(lk, std::chrono::milliseconds(50), [&] { return stop_; });
   }
+}
+
+// --- model_registry ------------------------------------------------------------------------------
+
+namespace {
+
+bool valid_name(const std::string& n) {
+  if (n.empty() || n.size() > 128) return false;
+  for (char c : n)
+    if (!(std::isalnum((unsigned char)c) || c == '.' || c == '_' || c == '-' || c == ':' || c == '/')) return false;
+  return true;
+}
+
+}  // namespace
+
+model_registry::model_registry(model_slot::loader load, const std::string& path, model_slot_options opts, size_t max_models)
+    : load_(std::move(load)), opts_(opts), max_models_(std::max<size_t>(1, max_models)) {
+  slots_.push_back(std::make_unique<model_slot>(load_, path, opts_, "", std::vector<std::string>{"default"}));
+  default_ = slots_.front()->name();
+}
+
+model_registry::~model_registry() = default;  // each slot ends its retired versions and joins its thread
+
+model_slot* model_registry::slot_locked(const std::string& name) const {
+  if (name.empty()) return slots_.front().get();
+  for (const auto& s : slots_)
+    if (s->name() == name) return s.get();
+  for (const auto& s : slots_) {
+    auto m = s->current();
+    for (const auto& a : m->api.aliases)
+      if (a == name) return s.get();
+  }
+  return nullptr;
+}
+
+std::shared_ptr<const served_model> model_registry::find(const std::string& name) const {
+  std::lock_guard lk(mu_);
+  if (model_slot* s = slot_locked(name)) return s->current();
+  std::string ids;
+  for (const auto& s : slots_) ids += (ids.empty() ? "'" : ", '") + s->name() + "'";
+  throw api_exception(http_error(404, "the model '" + name + "' does not exist; this server serves " + ids, "model_not_found", "model"));
+}
+
+std::shared_ptr<const served_model> model_registry::find_or_default(const std::string& name) const {
+  std::lock_guard lk(mu_);
+  model_slot* s = slot_locked(name);
+  return (s ? s : slots_.front().get())->current();
+}
+
+std::vector<std::shared_ptr<const served_model>> model_registry::all() const {
+  std::lock_guard lk(mu_);
+  std::vector<std::shared_ptr<const served_model>> out;
+  for (const auto& s : slots_) out.push_back(s->current());
+  return out;
+}
+
+// One load, unload or reload at a time; a second is refused (409) rather than queued behind a load.
+std::unique_lock<std::mutex> model_registry::one_at_a_time() {
+  std::unique_lock<std::mutex> one(load_mu_, std::try_to_lock);
+  if (!one.owns_lock()) throw reload_error(409, "another model load, unload or reload is in progress");
+  return one;
+}
+
+std::shared_ptr<const served_model> model_registry::load(const std::string& name, const std::string& path) {
+  auto one = one_at_a_time();
+  sweep();
+  if (!valid_name(name)) throw reload_error(400, "a model name is 1-128 characters of letters, digits and . _ - : /");
+  {
+    std::lock_guard lk(mu_);
+    if (slot_locked(name)) throw reload_error(409, "a model named '" + name + "' is already served");
+    if (slots_.size() >= max_models_)
+      throw reload_error(507, std::to_string(slots_.size()) + " models are loaded, the most this server holds (--max-models)");
+  }
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) throw reload_error(400, "'" + path + "' is not a readable regular file");
+  std::unique_ptr<model_slot> slot;
+  try {
+    slot = std::make_unique<model_slot>(load_, path, opts_, name);
+  } catch (const reload_error&) {
+    throw;
+  } catch (const engine::gguf_error& e) {
+    throw reload_error(400, std::string("cannot load '") + path + "': " + e.what());
+  } catch (const std::invalid_argument& e) {
+    throw reload_error(400, std::string("cannot serve '") + path + "': " + e.what());
+  } catch (const std::exception& e) {
+    throw reload_error(500, std::string("cannot start '") + path + "': " + e.what());
+  }
+  auto m = slot->current();
+  {
+    std::lock_guard lk(mu_);
+    slots_.push_back(std::move(slot));
+  }
+  std::fprintf(stderr, "troupe serve: model '%s' (%s) loaded in %.2f s\n", name.c_str(), path.c_str(), m->load_s);
+  return m;
+}
+
+void model_registry::unload(const std::string& name) {
+  auto one = one_at_a_time();
+  std::unique_ptr<model_slot> slot;
+  {
+    std::lock_guard lk(mu_);
+    for (auto it = slots_.begin(); it != slots_.end(); ++it)
+      if ((*it)->name() == name) {
+        if (it == slots_.begin()) throw reload_error(400, "'" + name + "' is the default model: reload it instead of unloading it");
+        slot = std::move(*it);
+        slots_.erase(it);
+        break;
+      }
+  }
+  if (!slot) throw reload_error(404, "no model named '" + name + "' is served");
+  slot->close();
+  closing_.push_back(std::move(slot));
+  std::fprintf(stderr, "troupe serve: model '%s' unloaded: it takes no new requests and finishes what it holds\n", name.c_str());
+  sweep();
+}
+
+reload_result model_registry::reload(const std::string& name, const std::string& path) {
+  model_slot* s;
+  {
+    std::lock_guard lk(mu_);
+    s = name.empty() ? slots_.front().get() : nullptr;
+    for (const auto& x : slots_)
+      if (!s && x->name() == name) s = x.get();
+  }
+  if (!s) throw reload_error(404, "no model named '" + name + "' is served");
+  // A slot is only removed by unload() under load_mu_: holding it keeps the slot alive.
+  auto one = one_at_a_time();
+  {
+    std::lock_guard lk(mu_);
+    bool present = false;
+    for (const auto& x : slots_) present |= x.get() == s;
+    if (!present) throw reload_error(404, "no model named '" + name + "' is served");
+  }
+  return s->reload(path);
+}
+
+void model_registry::sweep() {
+  std::erase_if(closing_, [](const std::unique_ptr<model_slot>& s) { return s->drained(); });
+}
+
+model_slot_stats model_registry::stats() const {
+  std::lock_guard lk(mu_);
+  model_slot_stats s = slots_.front()->stats();
+  s.n_models = slots_.size();
+  return s;
+}
+
+size_t model_registry::n_models() const {
+  std::lock_guard lk(mu_);
+  return slots_.size();
 }
 
 }  // namespace troupe::net

@@ -25,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <map>
 #include <thread>
 #include <vector>
 
@@ -65,6 +66,7 @@ struct model_slot_stats {
   uint64_t version = 0;
   uint64_t reloads_ok = 0, reloads_failed = 0;
   size_t n_retired = 0;  // retired versions still held by requests (draining)
+  size_t n_models = 1;   // models served (model_registry)
 };
 
 class model_slot {
@@ -73,8 +75,10 @@ class model_slot {
   /// served name is then set by the slot). Throws on a bad file or option.
   using loader = std::function<std::unique_ptr<served_model>(const std::string& path)>;
 
-  /// Loads version 1 (throws what the loader throws).
-  model_slot(loader load, const std::string& path, model_slot_options opts);
+  /// Loads version 1 (throws what the loader throws). `name`: the served model id ("": the file
+  /// stem); `aliases`: further names every version answers to.
+  model_slot(loader load, const std::string& path, model_slot_options opts, std::string name = "",
+             std::vector<std::string> aliases = {});
   /// Ends the retired versions' generations and destroys every version.
   ~model_slot();
   model_slot(const model_slot&) = delete;
@@ -91,13 +95,21 @@ class model_slot {
 
   model_slot_stats stats() const;
 
+  /// Unloading: the current version is retired like a replaced one (its generations finish, or end
+  /// after drain_timeout_s); current() returns null from now on.
+  void close();
+  /// After close(): every version is gone.
+  bool drained() const;
+  const std::string& name() const { return name_; }
+
  private:
   void reaper();
   std::shared_ptr<served_model> build(const std::string& path);
 
   loader load_;
   model_slot_options opts_;
-  std::string name_;                 // the served model id: version 1's file stem, kept across reloads
+  std::string name_;                 // the served model id, kept across reloads
+  std::vector<std::string> aliases_;
   std::mutex reload_mu_;             // one reload at a time (try_lock: a second gets 409)
   mutable std::mutex mu_;            // current_, retired_, counters
   std::condition_variable cv_;
@@ -111,6 +123,53 @@ class model_slot {
   uint64_t reloads_ok_ = 0, reloads_failed_ = 0;
   bool stop_ = false;
   std::thread reaper_;  // destroys retired versions no request holds any more
+};
+
+/// The models `troupe serve` serves, by name: the one it started with (the default: requests
+/// that name no model, or "default", go to it) and those an operator loaded since
+/// (POST /admin/models/load). Each is a model_slot (its versions, hot reload). Unloading one
+/// (POST /admin/models/unload) stops routing to it at once; what it runs finishes (or is ended
+/// after drain_timeout_s) and its engine is destroyed on the slot's thread.
+class model_registry {
+ public:
+  /// Loads the default model (throws what the loader throws).
+  model_registry(model_slot::loader load, const std::string& path, model_slot_options opts, size_t max_models);
+  ~model_registry();
+
+  /// The current version of the model whose id or alias is `name` ("": the default). Throws
+  /// api_exception 404 naming the served models when there is none.
+  std::shared_ptr<const served_model> find(const std::string& name) const;
+  /// As find(), but the default model for an unknown name (its own check then refuses the name).
+  std::shared_ptr<const served_model> find_or_default(const std::string& name) const;
+  /// The current version of every model, the default first.
+  std::vector<std::shared_ptr<const served_model>> all() const;
+
+  /// Loads `path` as a new model `name` (blocks for the load). reload_error: 400 a bad name or
+  /// file, 409 the name is taken, 507 max_models are loaded, 500 it failed to start.
+  std::shared_ptr<const served_model> load(const std::string& name, const std::string& path);
+  /// Stops serving `name`. reload_error: 404 unknown, 400 the default model.
+  void unload(const std::string& name);
+  /// Hot reload of `name` ("": the default), as model_slot::reload; 404 unknown. Loads, unloads
+  /// and reloads run one at a time: another one meanwhile gets 409.
+  reload_result reload(const std::string& name, const std::string& path);
+
+  /// The default model's figures, and how many models are loaded.
+  model_slot_stats stats() const;
+  size_t n_models() const;
+
+ private:
+  model_slot* slot_locked(const std::string& name) const;  // id first, then aliases; null: none
+  void sweep();                                            // destroys closed slots that drained
+  std::unique_lock<std::mutex> one_at_a_time();            // load_mu_, or reload_error 409
+
+  model_slot::loader load_;
+  model_slot_options opts_;
+  size_t max_models_;
+  std::string default_;
+  mutable std::mutex mu_;
+  std::vector<std::unique_ptr<model_slot>> slots_;    // the default first
+  std::vector<std::unique_ptr<model_slot>> closing_;  // unloaded, still draining
+  std::mutex load_mu_;                                // one load, unload or reload at a time
 };
 
 }  // namespace troupe::net

@@ -131,7 +131,12 @@ class session : public std::enable_shared_from_this<session> {
 
   void handle(const std::string& text) {
     ws_message m;
-    std::shared_ptr<const served_model> model = ctx_.models->current();  // parsed and run by one version
+    // Parsed and run by one version of the model the message names (an unknown name: the default
+    // model's own check refuses it with the socket's error message).
+    std::string name;
+    if (const json j = json::parse(text, nullptr, false); j.is_object())
+      if (auto it = j.find("model"); it != j.end() && it->is_string()) name = it->get<std::string>();
+    std::shared_ptr<const served_model> model = ctx_.models->find_or_default(name);
     try {
       m = parse_ws_message(text, model->api);
     } catch (const ws_protocol_error& e) {

@@ -20,7 +20,7 @@ namespace troupe::net {
 
 /// What a WebSocket session needs from the server around it.
 struct ws_context {
-  const model_slot* models = nullptr;          // each generation takes the version current when it starts
+  const model_registry* models = nullptr;      // each generation takes the current version of the model it names
   ws_options opts;
   double request_timeout_s = 600;              // each generation's deadline
   const std::atomic<bool>* stopping = nullptr;  // the server refuses new work

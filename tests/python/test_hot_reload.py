@@ -279,3 +279,76 @@ def test_a_second_reload_while_one_runs_gets_409():
                 break
         assert 409 in statuses, statuses
         assert metric(port, "troupe_model_version") == 1 + statuses.count(200)
+
+
+def test_models_loaded_and_unloaded_beside_the_default(tiny_dir):
+    """POST /admin/models/load adds a model under a name, requests that name it go to it (its own
+    tokenizer and outputs, as when served alone), the default is untouched; unloading lets what
+    runs on it finish, then the name is unknown (404)."""
+    tiny = tiny_dir / "llama_f32_gqa2.gguf"
+    body = {"prompt": "hello world", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with running_server("--model", str(tiny)) as (port, _):
+        st, tiny_alone = request(port, "POST", "/v1/completions", body)
+        assert st == 200
+        tiny_tokens = request(port, "POST", "/tokenize", {"prompt": "hello world"})[1]
+    with running_server("--max-models", "2") as (port, _):
+        st, ref = request(port, "POST", "/v1/completions", body)
+        assert st == 200
+        st, r = request(port, "POST", "/admin/models/load", {"model": "tiny", "model_path": str(tiny)})
+        assert st == 200 and r["model"] == "tiny" and r["version"] == 1, r
+        st, r = request(port, "POST", "/admin/models/load", {"model": "tiny", "model_path": str(tiny)})
+        assert st == 409, r
+        st, r = request(port, "POST", "/admin/models/load", {"model": "third", "model_path": str(tiny)})
+        assert st == 507 and "--max-models" in r["error"]["message"], r
+        st, r = request(port, "POST", "/admin/models/load", {"model": "bad name!", "model_path": str(tiny)})
+        assert st == 400, r
+        st, models = request(port, "GET", "/v1/models")
+        assert [m["id"] for m in models["data"]] == ["default", "tiny"]
+        assert metric(port, "troupe_models_loaded") == 2
+
+        st, got = request(port, "POST", "/v1/completions", {**body, "model": "tiny"})
+        assert st == 200 and got["model"] == "tiny" and got["choices"][0]["text"] == tiny_alone["choices"][0]["text"]
+        assert request(port, "POST", "/tokenize", {"prompt": "hello world", "model": "tiny"})[1] == tiny_tokens
+        st, got = request(port, "POST", "/v1/completions", body)  # no model: the default
+        assert st == 200 and got["choices"][0]["text"] == ref["choices"][0]["text"]
+        with connect(f"ws://127.0.0.1:{port}/v1/ws") as ws:
+            ws.send(json.dumps({"type": "generate", "id": "t", "model": "tiny", **body}))
+            texts = []
+            while True:
+                m = json.loads(ws.recv(timeout=60))
+                if m["type"] == "token":
+                    texts.append(m["text"])
+                elif m["id"] == "t":
+                    assert m["type"] == "done", m
+                    break
+            assert "".join(texts) == tiny_alone["choices"][0]["text"]
+
+        st, r = request(port, "POST", "/admin/models/unload", {"model": "default"})
+        assert st == 400, r
+        st, r = request(port, "POST", "/admin/models/unload", {"model": "tiny"})
+        assert st == 200, r
+        st, r = request(port, "POST", "/v1/completions", {**body, "model": "tiny"})
+        assert st == 404 and "'default'" in r["error"]["message"], r
+        st, r = request(port, "POST", "/admin/models/unload", {"model": "tiny"})
+        assert st == 404, r
+        assert metric(port, "troupe_models_loaded") == 1
+
+        # The freed place taken again, by the default model's file under another name: a long
+        # stream on it spans its unload and ends complete.
+        st, r = request(port, "POST", "/admin/models/load", {"model": "smol2", "model_path": str(MODEL)})
+        assert st == 200, r
+        st, r = request(port, "POST", "/admin/reload", {"model": "smol2"})
+        assert st == 200 and r["model"] == "smol2" and r["version"] == 2, r
+        st, r = request(port, "POST", "/admin/reload", {"model": "nope"})
+        assert st == 404 and r["error"]["param"] == "model", r
+        client = client_for(port)
+        stream = iter(client.completions.create(model="smol2", prompt=PROMPTS[1], max_tokens=300, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        text = next(stream).choices[0].text
+        st, r = request(port, "POST", "/admin/models/unload", {"model": "smol2"})
+        assert st == 200, r
+        assert request(port, "POST", "/v1/completions", {**body, "model": "smol2"})[0] == 404  # at once
+        text += "".join(c.choices[0].text for c in stream if c.choices)
+        full = client.completions.create(model="default", prompt=PROMPTS[1], max_tokens=300, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+        assert text == full
