@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <filesystem>
 #include <sstream>
 
@@ -184,6 +187,9 @@ void model_slot::reaper() {
       m.reset();  // stops its actors and executor
       std::fprintf(stderr, "troupe serve: version %llu drained and unloaded\n", (unsigned long long)v);
     }
+#ifdef __GLIBC__
+    if (!done.empty()) malloc_trim(0);  // a version's freed heap (repacked weights, scratch) back to the system
+#endif
     done.clear();
     lk.lock();
     cv_.wait_for(lk, std::chrono::milliseconds(50), [&] { return stop_; });
