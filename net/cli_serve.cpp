@@ -142,7 +142,14 @@ int run_serve(serve_opts& o) {
     const std::string src = m.file().get_string("tokenizer.chat_template").value_or("");
     const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : "";
     const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : "";
-    api.chat = family.empty() ? engine::chat_template::detect(src, bos, eos) : engine::chat_template::from_name(family, bos, eos);
+    // A file without a template gets its architecture's format where that is known (Gemma 3's
+    // GGUF carries none); --chat-template overrides either.
+    const std::string arch_family = m.hparams().arch == "gemma3" ? "gemma" : "";
+    if (!family.empty()) api.chat = engine::chat_template::from_name(family, bos, eos);
+    else if (src.empty() && !arch_family.empty()) {
+      api.chat = engine::chat_template::from_name(arch_family, bos, eos);
+      std::fprintf(stderr, "troupe serve: %s: no chat template in the file: the %s format of its architecture\n", path.c_str(), arch_family.c_str());
+    } else api.chat = engine::chat_template::detect(src, bos, eos);
     if (!api.chat)
       std::fprintf(stderr, "troupe serve: %s: %s; /v1/chat/completions will refuse requests (--chat-template names one)\n", path.c_str(),
                    src.empty() ? "the model has no chat template" : "the chat template is not recognized");

@@ -131,9 +131,9 @@ def test_served_over_http():
         assert models["data"][0]["id"] == "gemma3-270m"
 
 
-def test_chat_needs_a_template_and_takes_the_named_one():
-    """The file carries no chat template: chat is refused (400 naming --chat-template) until the
-    server is told the family; then a chat request is the completion of the Gemma-rendered prompt."""
+def test_chat_uses_the_architectures_format_or_the_named_one():
+    """The file carries no chat template: chat takes Gemma's format (the architecture's), and is the
+    completion of the Gemma-rendered prompt; --chat-template names another (here chatml)."""
     import http.client
     import json
 
@@ -144,14 +144,16 @@ def test_chat_needs_a_template_and_takes_the_named_one():
         return resp.status, json.loads(resp.read())
 
     msgs = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a fruit."}]
-    with running_server("--model", str(GEMMA)) as (port, _):
-        st, body = post(port, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4})
-        assert st == 400 and "--chat-template" in body["error"]["message"], body
-    with running_server("--model", str(GEMMA), "--chat-template", "gemma") as (port, _):
-        st, chat = post(port, "/v1/chat/completions", {"messages": msgs, "max_tokens": 12, "temperature": 0})
-        assert st == 200, chat
-        rendered = "<start_of_turn>user\nAnswer briefly.\n\nName a fruit.<end_of_turn>\n<start_of_turn>model\n"
-        st, comp = post(port, "/v1/completions", {"prompt": rendered, "max_tokens": 12, "temperature": 0})
-        assert st == 200, comp
-        assert chat["choices"][0]["message"]["content"] == comp["choices"][0]["text"]
-        assert chat["usage"]["prompt_tokens"] == comp["usage"]["prompt_tokens"]
+    renderings = {
+        (): "<start_of_turn>user\nAnswer briefly.\n\nName a fruit.<end_of_turn>\n<start_of_turn>model\n",
+        ("--chat-template", "chatml"): "<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nName a fruit.<|im_end|>\n"
+                                       "<|im_start|>assistant\n",
+    }
+    for args, rendered in renderings.items():
+        with running_server("--model", str(GEMMA), *args) as (port, _):
+            st, chat = post(port, "/v1/chat/completions", {"messages": msgs, "max_tokens": 12, "temperature": 0})
+            assert st == 200, chat
+            st, comp = post(port, "/v1/completions", {"prompt": rendered, "max_tokens": 12, "temperature": 0})
+            assert st == 200, comp
+            assert chat["choices"][0]["message"]["content"] == comp["choices"][0]["text"], args
+            assert chat["usage"]["prompt_tokens"] == comp["usage"]["prompt_tokens"], args
