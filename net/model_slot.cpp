@@ -44,6 +44,26 @@ void warm_up(served_model& m, double timeout_s) {
   throw reload_error(500, msg.str());
 }
 
+// Runs `build` (loading a model from `path`) with its failures as reload_error: 400 for a path
+// that is not a model file the engine can serve, 500 for one that fails to start; a
+// reload_error (a failed warm-up) as it is.
+template <class F>
+auto load_or_refuse(const std::string& path, F&& build) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) throw reload_error(400, "'" + path + "' is not a readable regular file");
+  try {
+    return build();
+  } catch (const reload_error&) {
+    throw;
+  } catch (const engine::gguf_error& e) {
+    throw reload_error(400, std::string("cannot load '") + path + "': " + e.what());
+  } catch (const std::invalid_argument& e) {
+    throw reload_error(400, std::string("cannot serve '") + path + "': " + e.what());
+  } catch (const std::exception& e) {
+    throw reload_error(500, std::string("cannot start '") + path + "': " + e.what());
+  }
+}
+
 }  // namespace
 
 model_slot::model_slot(loader load, const std::string& path, model_slot_options opts, std::string name,
@@ -106,19 +126,11 @@ reload_result model_slot::reload(const std::string& requested) {
                  (unsigned long long)old->version);
     return reload_error(status, why);
   };
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) throw refuse(400, "'" + path + "' is not a readable regular file");
   std::shared_ptr<served_model> next;
   try {
-    next = build(path);
+    next = load_or_refuse(path, [&] { return build(path); });
   } catch (const reload_error& e) {
     throw refuse(e.status, e.what());
-  } catch (const engine::gguf_error& e) {
-    throw refuse(400, std::string("cannot load '") + path + "': " + e.what());
-  } catch (const std::invalid_argument& e) {
-    throw refuse(400, std::string("cannot serve '") + path + "': " + e.what());
-  } catch (const std::exception& e) {
-    throw refuse(500, std::string("cannot start '") + path + "': " + e.what());
   }
   reload_result r;
   {
@@ -267,20 +279,7 @@ std::shared_ptr<const served_model> model_registry::load(const std::string& name
     if (slots_.size() >= max_models_)
       throw reload_error(507, std::to_string(slots_.size()) + " models are loaded, the most this server holds (--max-models)");
   }
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) throw reload_error(400, "'" + path + "' is not a readable regular file");
-  std::unique_ptr<model_slot> slot;
-  try {
-    slot = std::make_unique<model_slot>(load_, path, opts_, name);
-  } catch (const reload_error&) {
-    throw;
-  } catch (const engine::gguf_error& e) {
-    throw reload_error(400, std::string("cannot load '") + path + "': " + e.what());
-  } catch (const std::invalid_argument& e) {
-    throw reload_error(400, std::string("cannot serve '") + path + "': " + e.what());
-  } catch (const std::exception& e) {
-    throw reload_error(500, std::string("cannot start '") + path + "': " + e.what());
-  }
+  std::unique_ptr<model_slot> slot = load_or_refuse(path, [&] { return std::make_unique<model_slot>(load_, path, opts_, name); });
   auto m = slot->current();
   {
     std::lock_guard lk(mu_);
