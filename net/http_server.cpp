@@ -451,11 +451,30 @@ class server {
     return c;
   }
 
-  // Prometheus text exposition 0.0.4: the HTTP-side metrics plus the engine's stats of now.
+  // Every model's figures, its engine's stats asked on the blocking pool (an engine that does not
+  // answer within 2 s is rendered as troupe_engine_up{model=...} 0).
+  awaitable<std::vector<metrics_registry::model_figures>> model_figures() {
+    co_return co_await asio::co_spawn(
+        blocking_,
+        [this]() -> awaitable<std::vector<metrics_registry::model_figures>> {
+          std::vector<metrics_registry::model_figures> out;
+          for (auto& [m, slot] : models_.snapshot()) {
+            metrics_registry::model_figures f{m->api.model_id, slot, std::nullopt};
+            try {
+              f.engine = m->engine->stats(std::chrono::seconds(2));
+            } catch (const std::exception&) {
+            }
+            out.push_back(std::move(f));
+          }
+          co_return out;
+        },
+        asio::use_awaitable);
+  }
+
+  // Prometheus text exposition 0.0.4: the HTTP-side metrics plus every model's figures of now.
   awaitable<response> metrics_response(unsigned ver, bool keep) {
-    auto [st, err] = co_await engine_stats();  // no answer: rendered as troupe_engine_up 0
-    const model_slot_stats ms = models_.stats();
-    response res = json_response(http::status::ok, metrics_.render(st ? &*st : nullptr, &ms), ver, keep);
+    const auto figures = co_await model_figures();
+    response res = json_response(http::status::ok, metrics_.render(figures), ver, keep);
     res.set(http::field::content_type, "text/plain; version=0.0.4; charset=utf-8");
     co_return res;
   }

@@ -5,7 +5,6 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "net/model_slot.hpp"
 
 namespace troupe::net {
 
@@ -44,6 +43,20 @@ void sample(std::string& out, const char* name, T value, const char* type, const
 
 constexpr double micro = 1e6;
 
+// A label value as the exposition format writes it: backslash, quote and newline escaped.
+std::string label_value(const std::string& v) {
+  std::string o;
+  for (char c : v) {
+    if (c == '\\' || c == '"') o += '\\';
+    if (c == '\n') {
+      o += "\\n";
+      continue;
+    }
+    o += c;
+  }
+  return o;
+}
+
 }  // namespace
 
 histogram::histogram(std::span<const double> bounds) : bounds_(bounds) {
@@ -80,7 +93,7 @@ void metrics_registry::add_tokens(int64_t n_prompt, int64_t n_generated) {
   n_generated_tokens_.fetch_add((uint64_t)std::max<int64_t>(0, n_generated), std::memory_order_relaxed);
 }
 
-std::string metrics_registry::render(const actors::engine_stats* engine, const model_slot_stats* models) const {
+std::string metrics_registry::render(std::span<const model_figures> models) const {
   std::string out;
   out.reserve(8192);
 
@@ -105,39 +118,64 @@ std::string metrics_registry::render(const actors::engine_stats* engine, const m
          "Estimated wait before the first step: time to first token minus the request's mean inter-token latency.");
   queue.render(out, "troupe_request_queue_time_seconds");
 
-  if (models) {
-    sample(out, "troupe_models_loaded", (int64_t)models->n_models, "gauge", "Models served: the default and those loaded with /admin/models/load.");
-    sample(out, "troupe_model_version", (int64_t)models->version, "gauge", "Version of the default model new requests go to (1 at start, +1 per reload).");
-    header(out, "troupe_model_reloads_total", "counter", "Reloads of the default model (POST /admin/reload, SIGHUP) by result.");
-    out += "troupe_model_reloads_total{result=\"ok\"} " + fmt(models->reloads_ok) + "\n";
-    out += "troupe_model_reloads_total{result=\"failed\"} " + fmt(models->reloads_failed) + "\n";
-    sample(out, "troupe_model_versions_draining", (int64_t)models->n_retired, "gauge",
-           "Replaced versions of the default model still finishing the generations they hold.");
-  }
-  sample(out, "troupe_engine_up", (int64_t)(engine != nullptr), "gauge", "1 when the engine answered the stats query of this scrape.");
-  if (!engine) return out;
-  const actors::engine_stats& s = *engine;
-  sample(out, "troupe_num_requests_running", (int64_t)s.n_running, "gauge", "Sequences running (scheduled for decode or prefill).");
-  sample(out, "troupe_num_requests_waiting", (int64_t)s.n_waiting, "gauge", "Sequences waiting for admission.");
-  sample(out, "troupe_kv_blocks_total", (int64_t)s.n_device_blocks, "gauge", "Device KV cache blocks.");
-  sample(out, "troupe_kv_blocks_used", (int64_t)(s.n_device_blocks - s.n_free_device - s.n_cached), "gauge",
-         "Device KV blocks held by sequences.");
-  sample(out, "troupe_kv_blocks_cached", (int64_t)s.n_cached, "gauge", "Device KV blocks kept only by the prefix cache (evictable).");
-  sample(out, "troupe_kv_host_blocks_total", (int64_t)s.n_host_blocks, "gauge", "Host (swap) KV blocks.");
-  sample(out, "troupe_kv_host_blocks_used", (int64_t)(s.n_host_blocks - s.n_free_host), "gauge", "Host KV blocks in use.");
+  sample(out, "troupe_models_loaded", (int64_t)models.size(), "gauge", "Models served: the default and those loaded with /admin/models/load.");
+  // One family per metric, one line per model.
+  auto family = [&](const char* name, const char* type, const char* help, auto value, bool engine_only = true,
+                    const std::string& extra = "") {
+    header(out, name, type, help);
+    for (const auto& m : models) {
+      if (engine_only && !m.engine) continue;
+      out += name;
+      out += "{model=\"" + label_value(m.model) + "\"" + extra + "} " + fmt(value(m)) + "\n";
+    }
+  };
+  using F = model_figures;
+  family("troupe_model_version", "gauge", "Version of the model new requests go to (1 when loaded, +1 per reload).",
+         [](const F& m) { return (int64_t)m.slot.version; }, false);
+  header(out, "troupe_model_reloads_total", "counter", "Reloads (POST /admin/reload, SIGHUP) by result.");
+  for (const auto& m : models)
+    for (const char* r : {"ok", "failed"})
+      out += "troupe_model_reloads_total{model=\"" + label_value(m.model) + "\",result=\"" + r + "\"} " +
+             fmt(r[0] == 'o' ? m.slot.reloads_ok : m.slot.reloads_failed) + "\n";
+  family("troupe_model_versions_draining", "gauge", "Replaced versions still finishing the generations they hold.",
+         [](const F& m) { return (int64_t)m.slot.n_retired; }, false);
+  family("troupe_engine_up", "gauge", "1 when the model's engine answered the stats query of this scrape.",
+         [](const F& m) { return (int64_t)m.engine.has_value(); }, false);
+  family("troupe_num_requests_running", "gauge", "Sequences running (scheduled for decode or prefill).",
+         [](const F& m) { return (int64_t)m.engine->n_running; });
+  family("troupe_num_requests_waiting", "gauge", "Sequences waiting for admission.", [](const F& m) { return (int64_t)m.engine->n_waiting; });
+  family("troupe_kv_blocks_total", "gauge", "Device KV cache blocks.", [](const F& m) { return (int64_t)m.engine->n_device_blocks; });
+  family("troupe_kv_blocks_used", "gauge", "Device KV blocks held by sequences.", [](const F& m) {
+    return (int64_t)(m.engine->n_device_blocks - m.engine->n_free_device - m.engine->n_cached);
+  });
+  family("troupe_kv_blocks_cached", "gauge", "Device KV blocks kept only by the prefix cache (evictable).",
+         [](const F& m) { return (int64_t)m.engine->n_cached; });
+  family("troupe_kv_host_blocks_total", "gauge", "Host (swap) KV blocks.", [](const F& m) { return (int64_t)m.engine->n_host_blocks; });
+  family("troupe_kv_host_blocks_used", "gauge", "Host KV blocks in use.",
+         [](const F& m) { return (int64_t)(m.engine->n_host_blocks - m.engine->n_free_host); });
   header(out, "troupe_preemptions_total", "counter", "Sequences preempted for KV space, by mode.");
-  out += "troupe_preemptions_total{mode=\"swap\"} " + fmt(s.sched.n_preempted_swap) + "\n";
-  out += "troupe_preemptions_total{mode=\"recompute\"} " + fmt(s.sched.n_preempted_recompute) + "\n";
-  sample(out, "troupe_prefix_cache_queries_total", s.kv.n_lookup_tokens, "counter", "Prompt tokens offered to the prefix cache.");
-  sample(out, "troupe_prefix_cache_hits_total", s.kv.n_hit_tokens, "counter", "Prompt tokens served from cached KV blocks.");
-  sample(out, "troupe_scheduler_refused_total", s.sched.n_refused, "counter", "Requests the scheduler refused at admission.");
-  sample(out, "troupe_scheduler_timed_out_total", s.sched.n_timed_out, "counter", "Requests that waited past their queue timeout.");
-  sample(out, "troupe_scheduler_steps_total", s.sched.n_steps, "counter", "Engine steps run.");
-  sample(out, "troupe_scheduler_itl_capped_steps_total", s.sched.n_itl_capped, "counter",
-         "Steps whose prefill tokens the inter-token latency target cut.");
-  sample(out, "troupe_executor_restarts_total", (int64_t)s.executor_restarts, "counter", "Times the supervisor restarted the executor.");
-  sample(out, "troupe_executor_alive", (int64_t)s.executor_alive, "gauge", "1 while an executor is running.");
-  sample(out, "troupe_circuit_open", (int64_t)s.circuit_open, "gauge", "1 when the executor failed too often and requests are refused.");
+  for (const auto& m : models) {
+    if (!m.engine) continue;
+    const std::string l = "troupe_preemptions_total{model=\"" + label_value(m.model) + "\",mode=";
+    out += l + "\"swap\"} " + fmt(m.engine->sched.n_preempted_swap) + "\n";
+    out += l + "\"recompute\"} " + fmt(m.engine->sched.n_preempted_recompute) + "\n";
+  }
+  family("troupe_prefix_cache_queries_total", "counter", "Prompt tokens offered to the prefix cache.",
+         [](const F& m) { return m.engine->kv.n_lookup_tokens; });
+  family("troupe_prefix_cache_hits_total", "counter", "Prompt tokens served from cached KV blocks.",
+         [](const F& m) { return m.engine->kv.n_hit_tokens; });
+  family("troupe_scheduler_refused_total", "counter", "Requests the scheduler refused at admission.",
+         [](const F& m) { return m.engine->sched.n_refused; });
+  family("troupe_scheduler_timed_out_total", "counter", "Requests that waited past their queue timeout.",
+         [](const F& m) { return m.engine->sched.n_timed_out; });
+  family("troupe_scheduler_steps_total", "counter", "Engine steps run.", [](const F& m) { return m.engine->sched.n_steps; });
+  family("troupe_scheduler_itl_capped_steps_total", "counter", "Steps whose prefill tokens the inter-token latency target cut.",
+         [](const F& m) { return m.engine->sched.n_itl_capped; });
+  family("troupe_executor_restarts_total", "counter", "Times the supervisor restarted the executor.",
+         [](const F& m) { return (int64_t)m.engine->executor_restarts; });
+  family("troupe_executor_alive", "gauge", "1 while an executor is running.", [](const F& m) { return (int64_t)m.engine->executor_alive; });
+  family("troupe_circuit_open", "gauge", "1 when the executor failed too often and requests are refused.",
+         [](const F& m) { return (int64_t)m.engine->circuit_open; });
   return out;
 }
 

@@ -11,11 +11,11 @@
 #include <span>
 #include <string>
 
-#include "actors/engine_handle.hpp"
+#include <optional>
+#include <vector>
 
-namespace troupe::net {
-struct model_slot_stats;
-}
+#include "actors/engine_handle.hpp"
+#include "net/model_slot.hpp"
 
 namespace troupe::net {
 
@@ -62,10 +62,16 @@ class metrics_registry {
   histogram e2e{latency_buckets::e2e};
   histogram queue{latency_buckets::ttft};
 
-  /// The whole exposition: the HTTP-side metrics, the served model's versions and reloads (when
-  /// `models` is given), then the engine's from `engine` (skipped, with `troupe_engine_up 0`, when
-  /// it is null: the engine did not answer).
-  std::string render(const actors::engine_stats* engine, const model_slot_stats* models = nullptr) const;
+  /// One served model's figures for a scrape: its versions and reloads, and its engine's stats
+  /// (nullopt: the engine did not answer; rendered as troupe_engine_up 0).
+  struct model_figures {
+    std::string model;
+    model_slot_stats slot;
+    std::optional<actors::engine_stats> engine;
+  };
+  /// The whole exposition: the HTTP-side metrics, then per served model (label model="ID") its
+  /// versions, reloads and engine figures.
+  std::string render(std::span<const model_figures> models) const;
 
  private:
   std::array<std::atomic<uint64_t>, 600> by_status_{};

@@ -269,6 +269,13 @@ std::unique_lock<std::mutex> model_registry::one_at_a_time() {
   return one;
 }
 
+std::vector<std::pair<std::shared_ptr<const served_model>, model_slot_stats>> model_registry::snapshot() const {
+  std::lock_guard lk(mu_);
+  std::vector<std::pair<std::shared_ptr<const served_model>, model_slot_stats>> out;
+  for (const auto& s : slots_) out.emplace_back(s->current(), s->stats());
+  return out;
+}
+
 std::shared_ptr<const served_model> model_registry::load(const std::string& name, const std::string& path) {
   auto one = one_at_a_time();
   sweep();

@@ -143,6 +143,8 @@ class model_registry {
   std::shared_ptr<const served_model> find_or_default(const std::string& name) const;
   /// The current version of every model, the default first.
   std::vector<std::shared_ptr<const served_model>> all() const;
+  /// Every model's current version with its slot's figures, the default first.
+  std::vector<std::pair<std::shared_ptr<const served_model>, model_slot_stats>> snapshot() const;
 
   /// Loads `path` as a new model `name` (blocks for the load). reload_error: 400 a bad name or
   /// file, 409 the name is taken, 507 max_models are loaded, 500 it failed to start.

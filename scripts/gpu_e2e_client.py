@@ -128,7 +128,7 @@ def main() -> int:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         with urllib.request.urlopen(a.gpu + "/metrics", timeout=10) as r:
-            m = re.search(r"^troupe_model_versions_draining (\S+)$", r.read().decode(), re.M)
+            m = re.search(r'^troupe_model_versions_draining\{model="[^"]*"\} (\S+)$', r.read().decode(), re.M)
         draining = float(m.group(1)) if m else None
         if draining == 0:
             break

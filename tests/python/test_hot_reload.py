@@ -69,7 +69,7 @@ def complete(client, k, stream):
 
 def wait_drained(port, seconds=30):
     deadline = time.monotonic() + seconds
-    while metric(port, "troupe_model_versions_draining") != 0:
+    while metric(port, 'troupe_model_versions_draining{model="default"}') != 0:
         assert time.monotonic() < deadline, "a replaced version was never unloaded"
         time.sleep(0.1)
 
@@ -138,7 +138,7 @@ def test_reloads_under_load_fail_no_request(tmp_path):
         # SIGHUP reloads the served file too.
         proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 30
-        while metric(port, "troupe_model_version") != 5:
+        while metric(port, 'troupe_model_version{model="default"}') != 5:
             assert time.monotonic() < deadline, "SIGHUP did not reload"
             time.sleep(0.1)
         time.sleep(0.5)
@@ -154,8 +154,8 @@ def test_reloads_under_load_fail_no_request(tmp_path):
 
         st, models = request(port, "GET", "/v1/models")
         assert models["data"][0]["id"] == "default" and models["data"][0]["troupe"]["version"] == 5
-        assert metric(port, 'troupe_model_reloads_total{result="ok"}') == 4
-        assert metric(port, 'troupe_model_reloads_total{result="failed"}') == 3
+        assert metric(port, 'troupe_model_reloads_total{model="default",result="ok"}') == 4
+        assert metric(port, 'troupe_model_reloads_total{model="default",result="failed"}') == 3
         wait_drained(port)
         # The served name stays; the new file's stem is accepted too.
         assert client.completions.create(model="smollm-copy", prompt=PROMPTS[0], max_tokens=24,
@@ -278,7 +278,7 @@ def test_a_second_reload_while_one_runs_gets_409():
             if 409 in out:
                 break
         assert 409 in statuses, statuses
-        assert metric(port, "troupe_model_version") == 1 + statuses.count(200)
+        assert metric(port, 'troupe_model_version{model="default"}') == 1 + statuses.count(200)
 
 
 def test_models_loaded_and_unloaded_beside_the_default(tiny_dir):
@@ -305,6 +305,8 @@ def test_models_loaded_and_unloaded_beside_the_default(tiny_dir):
         st, models = request(port, "GET", "/v1/models")
         assert [m["id"] for m in models["data"]] == ["default", "tiny"]
         assert metric(port, "troupe_models_loaded") == 2
+        assert metric(port, 'troupe_engine_up{model="tiny"}') == 1
+        assert metric(port, 'troupe_kv_blocks_total{model="tiny"}') > 0
 
         st, got = request(port, "POST", "/v1/completions", {**body, "model": "tiny"})
         assert st == 200 and got["model"] == "tiny" and got["choices"][0]["text"] == tiny_alone["choices"][0]["text"]

@@ -27,7 +27,7 @@ def capped_steps(port):
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     conn.close()
-    m = re.search(r"^troupe_scheduler_itl_capped_steps_total (\S+)$", text, re.M)
+    m = re.search(r'^troupe_scheduler_itl_capped_steps_total\{model="default"\} (\S+)$', text, re.M)
     assert m, "the metric is exported"
     return float(m.group(1))
 

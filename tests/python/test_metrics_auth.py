@@ -146,9 +146,10 @@ def test_refused_without_a_valid_key_and_no_model_work(server):
         assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "invalid_api_key"
     after = scrape(server)
     assert value(after, "troupe_requests_total", code="401") - value(before, "troupe_requests_total", code="401") == 5
-    for name in ("troupe_prompt_tokens_total", "troupe_generation_tokens_total", "troupe_scheduler_steps_total",
-                 "troupe_time_to_first_token_seconds_count"):
-        assert value(after, name) == value(before, name), name
+    for name, labels in (("troupe_prompt_tokens_total", {}), ("troupe_generation_tokens_total", {}),
+                         ("troupe_scheduler_steps_total", {"model": "default"}), ("troupe_time_to_first_token_seconds_count", {})):
+        assert (name, frozenset(labels.items())) in after, name
+        assert value(after, name, **labels) == value(before, name, **labels), name
 
 
 def test_key_checked_before_the_body_is_read(server):
@@ -222,15 +223,18 @@ def test_metrics_reflect_the_requests(server):
         assert 0 < d(h + "_sum") <= elapsed, h
     # One gap per token after the first (each generation ran to its length, so every token came as an event).
     assert d("troupe_inter_token_latency_seconds_count") == sum(u["completion_tokens"] - 1 for u in usages)
-    assert d("troupe_scheduler_steps_total") > 0
+    # The engine's figures carry the model's name (one series per model served).
+    m = {"model": "default"}
+    assert d("troupe_scheduler_steps_total", **m) > 0
     # Engine gauges at rest: nothing running, the pool's size consistent.
-    assert value(after, "troupe_num_requests_running") == 0 and value(after, "troupe_num_requests_waiting") == 0
-    total = value(after, "troupe_kv_blocks_total")
+    assert value(after, "troupe_num_requests_running", **m) == 0 and value(after, "troupe_num_requests_waiting", **m) == 0
+    total = value(after, "troupe_kv_blocks_total", **m)
     assert total > 0
-    assert 0 <= value(after, "troupe_kv_blocks_used") + value(after, "troupe_kv_blocks_cached") <= total
-    assert value(after, "troupe_preemptions_total", mode="swap") >= 0
-    assert value(after, "troupe_engine_up") == 1
-    assert value(after, "troupe_executor_restarts_total") == 0
+    assert 0 <= value(after, "troupe_kv_blocks_used", **m) + value(after, "troupe_kv_blocks_cached", **m) <= total
+    assert ("troupe_preemptions_total", frozenset({"model": "default", "mode": "swap"}.items())) in after
+    assert value(after, "troupe_engine_up", **m) == 1
+    assert value(after, "troupe_executor_restarts_total", **m) == 0
+    assert value(after, "troupe_models_loaded") == 1
 
 
 # --- the config file --------------------------------------------------------------------------------
