@@ -1,5 +1,6 @@
-// The served model and its versions: hot reload without failed requests (the model registry of
-// docs/architecture.md, for the one model `troupe serve` serves).
+// The served models and their versions: hot reload without failed requests, models added and
+// removed while serving (the model registry of docs/architecture.md). A model_slot is one model
+// (its versions); model_registry (below) routes names to slots.
 //
 //   model_slot slot(load, path, opts);        // loads and warms version 1
 //   auto m = slot.current();                  // a request holds its version until it ends
