@@ -63,6 +63,20 @@ inline __m256 exp256_neg(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// sigmoid(x) for 8 floats from e = exp(-|x|), which never overflows: 1 / (1 + e) for x >= 0,
+// e / (1 + e) below.
+inline __m256 sigmoid256(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 e = exp256_neg(_mm256_or_ps(x, _mm256_set1_ps(-0.0f)));
+  const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+  return _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), x);  // x's sign bit picks e / (1 + e)
+}
+
+inline float sigmoid(float x) {
+  const float e = std::exp(-std::fabs(x));
+  return x >= 0 ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+
 inline void store_f16(fp16_t* dst, const float* src, int n) {
   int i = 0;
   for (; i + 8 <= n; i += 8)
@@ -103,43 +117,29 @@ void rope_row(float* x, int n_heads, int head_dim, int n_rot, const float* cos_s
   }
 }
 
-// g * sigmoid(g) * up, the sigmoid from e = exp(-|g|) as in geglu.
+// silu(g) * up = g * sigmoid(g) * up.
 void swiglu(float* gate, const float* up, int64_t n) {
   int64_t i = 0;
-  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 e = exp256_neg(_mm256_or_ps(g, sign));
-    const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
-    const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), g);
-    _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+    _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid256(g)), _mm256_loadu_ps(up + i)));
   }
-  for (; i < n; ++i) {
-    const float g = gate[i];
-    gate[i] = g / (1.0f + std::exp(-g)) * up[i];
-  }
+  for (; i < n; ++i) gate[i] = gate[i] * sigmoid(gate[i]) * up[i];
 }
 
-// GELU, tanh form: 0.5 g (1 + tanh(u)) = g * sigmoid(2u), u = sqrt(2/pi) (g + 0.044715 g^3); the
-// sigmoid from e = exp(-|2u|) (never overflows): 1 / (1 + e) for u >= 0, e / (1 + e) below.
+// GELU, tanh form: 0.5 g (1 + tanh(u)) = g * sigmoid(2u), u = sqrt(2/pi) (g + 0.044715 g^3).
 void geglu(float* gate, const float* up, int64_t n) {
   constexpr float two_c = 2.0f * 0.79788456080286535588f, coef = 0.044715f;
   int64_t i = 0;
   const __m256 vc = _mm256_set1_ps(two_c), va = _mm256_set1_ps(coef), one = _mm256_set1_ps(1.0f);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
     const __m256 t = _mm256_mul_ps(_mm256_mul_ps(vc, g), _mm256_fmadd_ps(_mm256_mul_ps(va, g), g, one));  // 2u
-    const __m256 e = exp256_neg(_mm256_or_ps(t, sign));  // exp(-|2u|)
-    const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
-    const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), t);  // t < 0 (sign bit): e / (1 + e)
-    _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+    _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid256(t)), _mm256_loadu_ps(up + i)));
   }
   for (; i < n; ++i) {
     const float g = gate[i];
-    const float t = two_c * g * (1.0f + coef * g * g);
-    const float e = std::exp(-std::fabs(t));
-    gate[i] = g * (t >= 0 ? 1.0f / (1.0f + e) : e / (1.0f + e)) * up[i];
+    gate[i] = g * sigmoid(two_c * g * (1.0f + coef * g * g)) * up[i];
   }
 }
 

@@ -317,22 +317,13 @@ void model_registry::unload(const std::string& name) {
 }
 
 reload_result model_registry::reload(const std::string& name, const std::string& path) {
+  auto one = one_at_a_time();  // unload() takes it too: the slot stays while it reloads
   model_slot* s;
   {
     std::lock_guard lk(mu_);
-    s = name.empty() ? slots_.front().get() : nullptr;
-    for (const auto& x : slots_)
-      if (!s && x->name() == name) s = x.get();
+    s = slot_locked(name);
   }
   if (!s) throw reload_error(404, "no model named '" + name + "' is served");
-  // A slot is only removed by unload() under load_mu_: holding it keeps the slot alive.
-  auto one = one_at_a_time();
-  {
-    std::lock_guard lk(mu_);
-    bool present = false;
-    for (const auto& x : slots_) present |= x.get() == s;
-    if (!present) throw reload_error(404, "no model named '" + name + "' is served");
-  }
   return s->reload(path);
 }
 

@@ -62,8 +62,7 @@ std::string id_json(const std::string& id) { return id.empty() ? "null" : dump(j
 
 }  // namespace
 
-ws_message parse_ws_message(std::string_view text, const api_context& ctx) {
-  const json j = json::parse(text, nullptr, false);
+ws_message parse_ws_message(const json& j, const api_context& ctx) {
   if (j.is_discarded()) throw ws_protocol_error("", "invalid_json", "the message is not valid JSON");
   if (!j.is_object()) throw ws_protocol_error("", "invalid_request", "the message must be a JSON object");
   auto t = j.find("type");

@@ -48,8 +48,9 @@ struct ws_message {
   actors::priority_class cls = actors::priority_class::normal;  // priority: the new class
 };
 
-/// Parses and validates one text message (tokenizing a generate's prompt). Throws ws_protocol_error.
-ws_message parse_ws_message(std::string_view text, const api_context& ctx);
+/// Validates one client message, as json::parse(text, nullptr, false) returned it (discarded: the
+/// text was not JSON), tokenizing a generate's prompt. Throws ws_protocol_error.
+ws_message parse_ws_message(const json& j, const api_context& ctx);
 
 /// Server messages, as JSON text.
 std::string ws_token(const std::string& id, const actors::stream_event& ev, bool with_logprob);

@@ -133,12 +133,13 @@ class session : public std::enable_shared_from_this<session> {
     ws_message m;
     // Parsed and run by one version of the model the message names (an unknown name: the default
     // model's own check refuses it with the socket's error message).
+    const json j = json::parse(text, nullptr, false);
     std::string name;
-    if (const json j = json::parse(text, nullptr, false); j.is_object())
+    if (j.is_object())
       if (auto it = j.find("model"); it != j.end() && it->is_string()) name = it->get<std::string>();
     std::shared_ptr<const served_model> model = ctx_.models->find_or_default(name);
     try {
-      m = parse_ws_message(text, model->api);
+      m = parse_ws_message(j, model->api);
     } catch (const ws_protocol_error& e) {
       // A refused generate ends that generation, unless a live one already has its id.
       const bool final = e.type == "generate" && !gens_.count(e.id);

@@ -30,6 +30,16 @@ generation_request greedy(const std::string& text, int n) {
   return r;
 }
 
+// The default model's CPU forward over a KV cache of n_blocks blocks of 16 positions, 2 threads.
+struct forward_rig {
+  explicit forward_rig(int32_t n_blocks)
+      : kv({m.hparams().n_layers, m.hparams().n_kv_heads, m.hparams().head_dim, 16}, n_blocks), fwd(m, kv, pool) {}
+  const model& m = default_model();
+  kv_storage kv;
+  troupe::kernels::thread_pool pool{2};
+  cpu_forward fwd;
+};
+
 }  // namespace
 
 TEST_CASE("greedy output is the same alone, batched with other lengths, and with chunked prefill", "[engine][model]") {
@@ -60,11 +70,10 @@ TEST_CASE("greedy output is the same alone, batched with other lengths, and with
 }
 
 TEST_CASE("logits of a sequence do not depend on the batch around it", "[engine][model]") {
-  const model& m = default_model();
+  forward_rig rig(8);
+  const model& m = rig.m;
   const auto& hp = m.hparams();
-  kv_storage kv({hp.n_layers, hp.n_kv_heads, hp.head_dim, 16}, 8);
-  troupe::kernels::thread_pool pool(2);
-  cpu_forward fwd(m, kv, pool);
+  cpu_forward& fwd = rig.fwd;
   const std::vector<token_id> a = m.vocab().encode("Paged attention keeps each sequence apart.", true, false);
   const std::vector<token_id> b = m.vocab().encode("Another, longer prompt that shares the step with the first one, so rows mix.", true, false);
   const std::vector<int32_t> ta = {0, 1}, tb = {2, 3, 4}, tc = {5, 6};
@@ -81,11 +90,9 @@ TEST_CASE("logits of a sequence do not depend on the batch around it", "[engine]
 TEST_CASE("a long context's attention parts do not depend on the batch around it", "[engine][model]") {
   // A decode over 601 positions (three attention parts) alone, then with a 700-token prefill in
   // the same step: its logits stay bit-identical.
-  const model& m = default_model();
-  const auto& hp = m.hparams();
-  kv_storage kv({hp.n_layers, hp.n_kv_heads, hp.head_dim, 16}, 96);
-  troupe::kernels::thread_pool pool(2);
-  cpu_forward fwd(m, kv, pool);
+  forward_rig rig(96);
+  const auto& hp = rig.m.hparams();
+  cpu_forward& fwd = rig.fwd;
   std::vector<token_id> a(601), b(700);
   for (size_t i = 0; i < a.size(); ++i) a[i] = (token_id)(100 + (i * 7919) % 40000);
   for (size_t i = 0; i < b.size(); ++i) b[i] = (token_id)(200 + (i * 104729) % 40000);
