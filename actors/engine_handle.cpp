@@ -1,6 +1,9 @@
 #include "actors/engine_handle.hpp"
 
+#include <caf/io/all.hpp>
 #include <unistd.h>
+
+#include <random>
 
 #include <atomic>
 #include <sstream>
@@ -117,8 +120,11 @@ struct engine_handle::impl {
   caf::actor_system_config cfg;
   std::unique_ptr<caf::actor_system> sys;
   std::shared_ptr<const engine::model> model;
-  caf::actor scheduler, supervisor;
-  std::atomic<uint64_t> next_id{1};
+  caf::actor scheduler, supervisor, keeper;
+  std::shared_ptr<replica_router> router;
+  int published_port = -1;
+  // Request ids are unique across every front that shares a replica: a random high half.
+  std::atomic<uint64_t> next_id{(uint64_t)std::random_device{}() << 32 | 1};
   int32_t max_tokens_cap = 0;
 };
 
@@ -162,7 +168,15 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   const int64_t limit = std::min<int64_t>(hp.n_ctx_train, pool_positions);
   if (sc.max_model_len == 0 || sc.max_model_len > limit) sc.max_model_len = limit;
 
+  std::vector<replica_endpoint> endpoints;
+  for (const std::string& r : o.replicas) endpoints.push_back(parse_endpoint(r));
+  if (o.publish_port > 65535) throw std::invalid_argument("publish port " + std::to_string(o.publish_port) + " is not in 0..65535");
+  if (!(o.replica_retry_s > 0) || !(o.replica_timeout_s > 0))
+    throw std::invalid_argument("the replica retry and timeout must be > 0 seconds");
+
   p->cfg.set("scheduler.max-threads", 2);  // message handling only: compute runs on the executor's threads
+  add_wire_types(p->cfg);
+  if (o.publish_port >= 0 || !endpoints.empty()) p->cfg.load<caf::io::middleman>();
   p->sys = std::make_unique<caf::actor_system>(p->cfg);
   scheduler_config_msg scm{sc, p->model, o.kv_block_size, n_dev, n_host, o.step_timeout_s};
   p->scheduler = spawn_scheduler(*p->sys, scm);
@@ -184,6 +198,21 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
                  });
     if (!err.empty()) throw std::runtime_error(err);
   }
+  impl& im = *h->impl_;
+  im.router = std::make_shared<replica_router>(im.scheduler);
+  if (o.publish_port >= 0) {
+    // reuse_addr: a replica restarted on its port binds it despite the last run's connections in
+    // TIME_WAIT (Linux still refuses a second listener).
+    auto port = im.sys->middleman().publish(im.scheduler, (uint16_t)o.publish_port, o.publish_host.c_str(), true);
+    if (!port)
+      throw std::invalid_argument("cannot publish the engine on " + o.publish_host + ":" + std::to_string(o.publish_port) + ": " +
+                                  im.sys->render(port.error()));
+    im.published_port = *port;
+  }
+  if (!endpoints.empty()) {
+    for (auto& e : endpoints) e.index = im.router->add_remote(e.host + ":" + std::to_string(e.port));
+    im.keeper = im.sys->spawn(replica_keeper, im.router, endpoints, model_fingerprint(*im.model), o.replica_retry_s, o.replica_timeout_s);
+  }
   return h;
 }
 
@@ -191,6 +220,7 @@ engine_handle::engine_handle(std::unique_ptr<impl> p) : impl_(std::move(p)) {}
 
 engine_handle::~engine_handle() {
   if (!impl_) return;
+  if (impl_->keeper) caf::anon_send_exit(impl_->keeper, caf::exit_reason::user_shutdown);
   caf::anon_send_exit(impl_->supervisor, caf::exit_reason::user_shutdown);
   caf::anon_send_exit(impl_->scheduler, caf::exit_reason::user_shutdown);
   impl_->sys->await_all_actors_done();
@@ -202,7 +232,7 @@ std::shared_ptr<generation_stream> engine_handle::submit(generation_params param
   auto stream = std::make_shared<generation_stream>((size_t)std::max(0, params.max_tokens) + 2);
   // The canceller is in place before submit() returns, so a client's cancel() always reaches the
   // request actor (which then tells the scheduler with high priority).
-  auto req = impl_->sys->spawn(request_actor, impl_->scheduler, impl_->model, std::move(params), id, stream);
+  auto req = impl_->sys->spawn(request_actor, impl_->router, impl_->model, std::move(params), id, stream);
   stream->set_canceller([req] { caf::anon_send<caf::message_priority::high>(req, cancel_atom::value); }, id);
   stream->set_reprioritizer([req](priority_class cls, int32_t p) {
     caf::anon_send<caf::message_priority::high>(req, priority_atom::value, cls, p);
@@ -238,5 +268,9 @@ void engine_handle::fail_all(const std::string& why) {
 void engine_handle::inject_executor_fault() { caf::anon_send(impl_->scheduler, fault_atom::value); }
 
 const engine::model& engine_handle::model() const { return *impl_->model; }
+
+std::vector<replica_stats> engine_handle::replicas() const { return impl_->router->stats(); }
+
+int engine_handle::published_port() const { return impl_->published_port; }
 
 }  // namespace troupe::actors

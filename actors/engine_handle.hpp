@@ -108,6 +108,12 @@ struct engine_options {
   double restart_window_s = 60;
   double start_timeout_s = 600;  // longest wait for the executor to build its backend (weights, KV)
   std::string fail_executor_start;  // tests: building the executor's backend throws this text
+  // Data-parallel replicas (CAF middleman, plain TCP: bind and reach them on trusted networks only).
+  int publish_port = -1;                   // >= 0: this engine's scheduler is published there for fronts (0: any free port)
+  std::string publish_host = "127.0.0.1";  // the address it is published on
+  std::vector<std::string> replicas;       // "host:port" of published engines (same model) this one also routes to
+  double replica_retry_s = 2;              // an unreachable, lost or mismatched replica is tried again this often
+  double replica_timeout_s = 10;           // connecting to a replica and its first answer, at most
   // Tests: the CPU executor takes the path of a device that samples (rows, seeds and penalty
   // windows handed to the backend, tokens back), sampling with the host sampler.
   bool emulate_device_sampling = false;
@@ -128,6 +134,16 @@ struct engine_stats {
   double executor_s = 0;  // total compute reported by the executor
 };
 
+/// One place generations run: "local" (this engine's own executor) or a remote replica "host:port".
+struct replica_stats {
+  std::string name;
+  bool up = false;
+  std::string status;      // "serving", or why not ("unreachable: ...", "lost: ...", "another model: ...")
+  int64_t in_flight = 0;   // generations running or queued there now
+  int64_t routed = 0;      // generations sent there since start (a rerouted one counts at each)
+  int64_t lost = 0;        // generations that lost it mid-way (the replica died or its connection broke)
+};
+
 class engine_handle {
  public:
   /// Loads the model, spawns the actors and waits (start_timeout_s at most) until the executor
@@ -137,8 +153,10 @@ class engine_handle {
   static std::unique_ptr<engine_handle> start(const engine_options& opts);
   ~engine_handle();  // cancels what is left and stops every actor
 
-  /// Submits a generation. Refusals (invalid, too long, overloaded) arrive as the stream's
-  /// single final error event.
+  /// Submits a generation to the replica (local executor or remote) with the fewest in flight.
+  /// Refusals (invalid, too long, overloaded) arrive as the stream's single final error event. A
+  /// generation whose replica is lost (or refuses it as unavailable) before its first token moves
+  /// to another replica; one that loses its replica later ends with `unavailable`.
   std::shared_ptr<generation_stream> submit(generation_params p);
 
   /// A consistent snapshot from the scheduler (bounded wait; throws std::runtime_error on timeout).
@@ -152,6 +170,11 @@ class engine_handle {
   /// `unavailable` and the message "the model is unavailable: <why>" (a retired model version
   /// past its drain time). The executor keeps running; destroy the handle to stop it.
   void fail_all(const std::string& why);
+
+  /// The local executor and every remote replica, the local one first.
+  std::vector<replica_stats> replicas() const;
+  /// The port this engine's scheduler is published on; -1 when it is not.
+  int published_port() const;
 
   /// Fault injection for tests: the executor throws in the middle of its next step.
   void inject_executor_fault();

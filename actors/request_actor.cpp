@@ -16,6 +16,12 @@ struct request_state {
   engine::stop_matcher stops;
   int32_t n_prompt = 0, n_generated = 0;
   bool logprobs = false;
+  // Where it runs: the replica's index in the router and its scheduler (null between replicas).
+  size_t index = 0;
+  caf::actor scheduler;
+  std::vector<size_t> tried;  // replicas it was submitted to, in order
+  bool released = true;       // the router does not count it at `index`
+  std::function<void(const std::string&)> on_lost;
   request_state(const engine::tokenizer& tok, std::vector<std::string> stop_strings)
       : dec(tok, false), stops(std::move(stop_strings)) {}
 };
@@ -43,7 +49,7 @@ gen_error from_admit(admit_error e) {
 
 }  // namespace
 
-caf::behavior request_actor(caf::event_based_actor* self, caf::actor scheduler, std::shared_ptr<const engine::model> model,
+caf::behavior request_actor(caf::event_based_actor* self, std::shared_ptr<replica_router> router, std::shared_ptr<const engine::model> model,
                             generation_params params, uint64_t id, std::shared_ptr<generation_stream> stream) {
   const engine::tokenizer& tok = model->vocab();
   auto st = std::make_shared<request_state>(tok, params.sampling.stop);
@@ -56,7 +62,7 @@ caf::behavior request_actor(caf::event_based_actor* self, caf::actor scheduler, 
     self->quit();
   };
   auto cancel_and_finish = [=](stream_event ev) {
-    self->send<caf::message_priority::high>(scheduler, cancel_atom::value, id);
+    if (st->scheduler) self->send<caf::message_priority::high>(st->scheduler, cancel_atom::value, id);
     finish_with(std::move(ev));
   };
 
@@ -71,24 +77,70 @@ caf::behavior request_actor(caf::event_based_actor* self, caf::actor scheduler, 
     return {};
   }
 
-  request_msg m;
-  m.spec = {id, std::move(params.prompt), params.max_tokens, params.cls, params.priority, params.queue_timeout_s};
+  auto m = std::make_shared<request_msg>();
+  m->spec = {id, std::move(params.prompt), params.max_tokens, params.cls, params.priority, params.queue_timeout_s};
   auto sp = std::make_shared<engine::sampling_params>(params.sampling);
   if (!sp->has_seed) {  // stateless sampling needs a seed: draw one per request
     sp->seed = std::random_device{}() * 0x100000001ULL ^ std::random_device{}();
     sp->has_seed = true;
   }
-  m.sampling = sp;
+  m->sampling = sp;
   if (!params.sampling.ignore_eos)
-    for (engine::token_id t : tok.eog_ids()) m.stop_tokens.push_back(t);
-  for (engine::token_id t : params.sampling.stop_tokens) m.stop_tokens.push_back(t);
+    for (engine::token_id t : tok.eog_ids()) m->stop_tokens.push_back(t);
+  for (engine::token_id t : params.sampling.stop_tokens) m->stop_tokens.push_back(t);
 
-  self->request(scheduler, caf::infinite, submit_atom::value, std::move(m))
-      .then(
-          [=](const admission& a) {
-            if (!a.ok()) finish_with(error_event(from_admit(a.error), a.message));
-          },
-          [=](caf::error& e) { finish_with(error_event(gen_error::unavailable, "the scheduler is gone: " + self->system().render(e))); });
+  // Submits to the least loaded replica not tried yet. One lost before the first token (or that
+  // refuses the request as unavailable: draining, its circuit open) leaves it to another; the
+  // seeded, stateless sampling makes the moved generation draw what it would have drawn.
+  auto leave = [=] {
+    if (st->scheduler) self->demonitor(st->scheduler);
+    st->scheduler = nullptr;
+    if (!st->released) router->release(st->index);
+    st->released = true;
+  };
+  auto submit = std::make_shared<std::function<void(const std::string&)>>();
+  *submit = [=](const std::string& why_moved) {
+    auto c = router->pick(st->tried);
+    if (!c) {
+      finish_with(error_event(gen_error::unavailable, why_moved.empty() ? "no replica is serving this model" : why_moved));
+      return;
+    }
+    st->index = c->index;
+    st->scheduler = c->scheduler;
+    st->released = false;
+    st->tried.push_back(c->index);
+    self->monitor(st->scheduler);
+    const caf::actor sched = st->scheduler;
+    self->request(sched, std::chrono::seconds(60), submit_atom::value, *m)
+        .then(
+            [=](const admission& a) {
+              if (a.ok() || sched != st->scheduler) return;
+              if (a.error != admit_error::unavailable) return finish_with(error_event(from_admit(a.error), a.message));
+              leave();
+              (*submit)(a.message);
+            },
+            [=](caf::error& e) {
+              if (sched == st->scheduler) st->on_lost(self->system().render(e));
+            });
+  };
+  st->on_lost = [=](const std::string& why) {
+    const size_t index = st->index;
+    router->lost(index, st->scheduler.address());
+    leave();
+    const std::string text = "the replica " + router->name(index) + " serving this generation was lost: " + why;
+    // The local scheduler goes only when the engine stops: nothing moves then.
+    if (st->n_generated == 0 && !router->is_local(index)) (*submit)(text);
+    else finish_with(error_event(gen_error::unavailable, text));
+  };
+  self->attach_functor([=] {
+    if (!st->released) router->release(st->index);
+    st->on_lost = nullptr;  // break the cycles through the captures
+    *submit = nullptr;
+  });
+  self->set_down_handler([=](caf::down_msg& dm) {
+    if (st->scheduler && dm.source == st->scheduler.address()) st->on_lost(self->system().render(dm.reason));
+  });
+  (*submit)("");
 
   if (params.deadline_s > 0)
     self->delayed_send(self, std::chrono::microseconds((int64_t)(params.deadline_s * 1e6)), deadline_atom::value);
@@ -126,7 +178,7 @@ caf::behavior request_actor(caf::event_based_actor* self, caf::actor scheduler, 
       },
       [=](failed_atom, uint64_t, gen_error e, const std::string& why) { finish_with(error_event(e, why)); },
       [=](priority_atom, priority_class cls, int32_t priority) {
-        self->send<caf::message_priority::high>(scheduler, priority_atom::value, id, cls, priority);
+        if (st->scheduler) self->send<caf::message_priority::high>(st->scheduler, priority_atom::value, id, cls, priority);
       },
       [=](cancel_atom) { cancel_and_finish(error_event(gen_error::cancelled, "cancelled by the client")); },
       [=](deadline_atom) { cancel_and_finish(error_event(gen_error::deadline, "the request deadline passed")); },

@@ -23,11 +23,14 @@
 #include <caf/all.hpp>
 
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "actors/engine_handle.hpp"
 #include "actors/scheduler_policy.hpp"
+#include "actors/wire.hpp"
 #include "engine/model.hpp"
 #include "engine/sampling.hpp"
 
@@ -49,13 +52,6 @@ using drain_atom = caf::atom_constant<caf::atom("drain")>;
 using priority_atom = caf::atom_constant<caf::atom("priority")>;
 using up_atom = caf::atom_constant<caf::atom("up")>;
 using ready_atom = caf::atom_constant<caf::atom("ready")>;
-
-/// What a request actor submits: the scheduler's spec plus what the executor needs to sample.
-struct request_msg {
-  request_spec spec;
-  std::shared_ptr<const engine::sampling_params> sampling;
-  std::vector<engine::token_id> stop_tokens;  // end-of-generation ids (empty with ignore_eos) + the request's
-};
 
 /// How to sample one sequence's next token in a step. Sampling is stateless across steps: the
 /// draw uses seed mixed with the index of the token drawn, so a recomputed or restarted
@@ -84,10 +80,6 @@ struct step_output {
   uint64_t step = 0;
   std::vector<sampled> tokens;
   double compute_s = 0;
-};
-
-struct token_event {
-  engine::sample_result r;
 };
 
 struct executor_config {
@@ -129,17 +121,64 @@ caf::actor spawn_scheduler(caf::actor_system& sys, scheduler_config_msg cfg);
 caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor scheduler, executor_config cfg, int max_restarts,
                                double window_s);
 
-caf::behavior request_actor(caf::event_based_actor* self, caf::actor scheduler, std::shared_ptr<const engine::model> model,
+/// Where generations run: the local scheduler (index 0) and the remote replicas, schedulers of
+/// other `troupe serve --publish-port` processes reached through the middleman. Thread-safe: the
+/// engine handle and the request actors pick and release, the replica keeper marks replicas up
+/// and down. Routing: the up replica with the fewest generations in flight, ties in turn.
+class replica_router {
+ public:
+  struct choice {
+    size_t index = 0;
+    caf::actor scheduler;
+  };
+  explicit replica_router(caf::actor local);
+  /// Adds a remote replica (down until the keeper connects it); returns its index.
+  size_t add_remote(std::string name);
+  /// The least loaded up replica not in `tried` (by index), counted as one more in flight; none
+  /// when every up replica was tried.
+  std::optional<choice> pick(const std::vector<size_t>& tried);
+  /// A generation counted by pick() ended (or moved away).
+  void release(size_t index);
+  /// A generation lost its replica (the connection or the process died): the replica is down
+  /// until the keeper connects it again.
+  void lost(size_t index, const caf::actor_addr& which);
+  void set_up(size_t index, caf::actor scheduler);
+  void set_down(size_t index, std::string status);
+  bool is_local(size_t index) const { return index == 0; }
+  std::string name(size_t index) const;
+  std::vector<replica_stats> stats() const;
+
+ private:
+  struct entry {
+    std::string name;
+    caf::actor scheduler;  // null while down
+    std::string status;
+    int64_t in_flight = 0, routed = 0, lost = 0;
+  };
+  mutable std::mutex mu_;
+  std::vector<entry> entries_;
+  size_t turn_ = 0;
+};
+
+struct replica_endpoint {
+  size_t index = 0;
+  std::string host;
+  uint16_t port = 0;
+};
+
+/// Connects the remote replicas and keeps them connected: a replica is up once its scheduler
+/// answers `info` with this model's fingerprint; a lost or refused one is retried every retry_s.
+caf::behavior replica_keeper(caf::event_based_actor* self, std::shared_ptr<replica_router> router,
+                             std::vector<replica_endpoint> endpoints, std::string fingerprint, double retry_s, double timeout_s);
+
+/// Parses "host:port" (throws std::invalid_argument naming the text).
+replica_endpoint parse_endpoint(const std::string& text);
+
+caf::behavior request_actor(caf::event_based_actor* self, std::shared_ptr<replica_router> router, std::shared_ptr<const engine::model> model,
                             generation_params params, uint64_t id, std::shared_ptr<generation_stream> stream);
 
 }  // namespace troupe::actors
 
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::request_msg)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::step_work)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::step_output)
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::token_event)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::stats_reply)
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::admission)
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::finish_reason)
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::gen_error)
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(troupe::actors::priority_class)

@@ -144,6 +144,11 @@ const std::vector<key_spec>& keys() {
       {"scheduler", "target_itl_ms", double_key(&server_config::target_itl_ms)},
       {"scheduler", "itl_stretch", double_key(&server_config::itl_stretch)},
       {"scheduler", "min_prefill_tokens", int_key(&server_config::min_prefill_tokens)},
+      {"replicas", "publish_port", int_key(&server_config::publish_port)},
+      {"replicas", "publish_host", string_key(&server_config::publish_host)},
+      {"replicas", "remote", string_list_key(&server_config::replicas)},
+      {"replicas", "retry_s", double_key(&server_config::replica_retry_s)},
+      {"replicas", "timeout_s", double_key(&server_config::replica_timeout_s)},
       {"auth", "api_keys", string_list_key(&server_config::api_keys)},
       {"auth", "admin_api_keys", string_list_key(&server_config::admin_api_keys)},
   };
@@ -182,7 +187,7 @@ server_config parse_toml(std::string_view text, std::string_view source) {
     const toml::table* t = section.as_table();
     bool known_section = false;
     for (const auto& k : keys()) known_section |= section_name == k.section;
-    if (!known_section) throw config_error(src + ": unknown key '" + section_name + "' (sections: server, engine, scheduler, auth)");
+    if (!known_section) throw config_error(src + ": unknown key '" + section_name + "' (sections: server, websocket, reload, replicas, engine, scheduler, auth)");
     if (!t) throw config_error(src + ": key '" + section_name + "': expected a table, got " + type_name(section));
     for (const auto& [key, value] : *t) {
       const std::string name = section_name + "." + std::string(key.str());
@@ -271,6 +276,21 @@ std::string validate(const server_config& c) {
   if (c.preemption != "swap" && c.preemption != "recompute")
     return range_error("scheduler.preemption", "--preemption", "\"swap\" or \"recompute\"", "\"" + c.preemption + "\"");
 
+  if (c.publish_port < -1 || c.publish_port > 65535)
+    return range_error("replicas.publish_port", "--publish-port", "in [-1, 65535] (-1: off, 0: any free port)", std::to_string(c.publish_port));
+  if (c.publish_host.empty()) return "replicas.publish_host (--publish-host) must not be empty";
+  for (const std::string& r : c.replicas) {
+    const size_t colon = r.rfind(':');
+    const std::string port = colon == std::string::npos ? "" : r.substr(colon + 1);
+    if (colon == 0 || port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos ||
+        std::stol(port) < 1 || std::stol(port) > 65535)
+      return "replicas.remote (--replica): '" + r + "' is not HOST:PORT with a port in [1, 65535]";
+  }
+  if (!(c.replica_retry_s > 0) || !std::isfinite(c.replica_retry_s))
+    return range_error("replicas.retry_s", "--replica-retry-s", "> 0", num(c.replica_retry_s));
+  if (!(c.replica_timeout_s > 0) || !std::isfinite(c.replica_timeout_s))
+    return range_error("replicas.timeout_s", "--replica-timeout-s", "> 0", num(c.replica_timeout_s));
+
   for (const auto* list : {&c.api_keys, &c.admin_api_keys})
     for (const std::string& k : *list) {
       const char* name = list == &c.api_keys ? "auth.api_keys (--api-key)" : "auth.admin_api_keys (--admin-api-key)";
@@ -287,6 +307,11 @@ std::string describe(const server_config& c) {
     for (size_t i = 0; i < v.size(); ++i) s += i ? ", \"***\"" : "\"***\"";
     return s + "]";
   };
+  auto list = [](const std::vector<std::string>& v) {
+    std::string s = "[";
+    for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + quote(v[i]);
+    return s + "]";
+  };
   const engine_config& e = c.engine;
   std::ostringstream o;
   o << "[server]\n"
@@ -301,6 +326,9 @@ std::string describe(const server_config& c) {
     << "[reload]\n"
     << "drain_timeout_s = " << num(c.reload_drain_timeout_s) << "\nwarmup_timeout_s = " << num(c.reload_warmup_timeout_s)
     << "\nmax_models = " << c.max_models << "\n"
+    << "[replicas]\n"
+    << "publish_port = " << c.publish_port << "\npublish_host = " << quote(c.publish_host) << "\nremote = " << list(c.replicas)
+    << "\nretry_s = " << num(c.replica_retry_s) << "\ntimeout_s = " << num(c.replica_timeout_s) << "\n"
     << "[engine]\n"
     << "model = " << quote(e.model_path) << "\nthreads = " << e.n_threads << "\nctx_size = " << e.n_ctx
     << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\nkv_mb = " << c.kv_mb

@@ -51,6 +51,14 @@ struct server_config {
   double reload_warmup_timeout_s = 120;    // the new version's warm-up generation must finish within it
   int64_t max_models = 4;                  // models served at once (the default + /admin/models/load)
 
+  // [replicas]  (data parallel: the default model also served by other `troupe serve` processes,
+  // reached through CAF's middleman; plain TCP, for trusted networks only)
+  int64_t publish_port = -1;               // >= 0: this server's default model is published at this port for fronts (0: any free); -1: off
+  std::string publish_host = "127.0.0.1";  // the address it is published on
+  std::vector<std::string> replicas;       // "host:port" of published servers of the same model this one routes to as well
+  double replica_retry_s = 2;              // an unreachable, lost or mismatched replica is tried again this often
+  double replica_timeout_s = 10;           // connecting to a replica and its first answer, at most
+
   // [engine]  (model_path, n_threads, n_ctx, kv_block_size, n_batch; max_kv_bytes is unused:
   // the serve cache size is kv_mb)
   engine_config engine;

@@ -58,6 +58,8 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       field("--min-prefill-tokens", &c::min_prefill_tokens), field("--reload-drain-timeout-s", &c::reload_drain_timeout_s),
       field("--reload-warmup-timeout-s", &c::reload_warmup_timeout_s), field("--chat-template", &c::chat_template),
       field("--max-models", &c::max_models), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
+      field("--publish-port", &c::publish_port), field("--publish-host", &c::publish_host), field("--replica", &c::replicas),
+      field("--replica-retry-s", &c::replica_retry_s), field("--replica-timeout-s", &c::replica_timeout_s),
   };
   return v;
 }
@@ -123,9 +125,9 @@ int run_serve(serve_opts& o) {
 
   // One version of the served model; a reload builds the next one the same way, from its file.
   const int64_t created = (int64_t)std::time(nullptr);
-  auto load = [eo, n_ctx = ec.n_ctx, max_n = (int32_t)c.max_n, created, family = c.chat_template](const std::string& path) {
+  auto load_with = [n_ctx = ec.n_ctx, max_n = (int32_t)c.max_n, created, family = c.chat_template](actors::engine_options o,
+                                                                                                    const std::string& path) {
     auto v = std::make_unique<net::served_model>();
-    actors::engine_options o = eo;
     o.model_path = path;
     v->engine = actors::engine_handle::start(o);
     const engine::model& m = v->engine->model();
@@ -155,10 +157,32 @@ int run_serve(serve_opts& o) {
                    src.empty() ? "the model has no chat template" : "the chat template is not recognized");
     return v;
   };
+  auto load = [eo, load_with](const std::string& path) { return load_with(eo, path); };
+  // The default model's versions also take part in data parallelism: the first is published for
+  // fronts (--publish-port), and every version routes to the replicas (--replica).
+  actors::engine_options default_eo = eo;
+  default_eo.publish_port = (int)c.publish_port;
+  default_eo.publish_host = c.publish_host;
+  default_eo.replicas = c.replicas;
+  default_eo.replica_retry_s = c.replica_retry_s;
+  default_eo.replica_timeout_s = c.replica_timeout_s;
+  auto published = std::make_shared<bool>(false);
+  auto load_default = [default_eo, load_with, published](const std::string& path) {
+    if (default_eo.publish_port >= 0 && *published)
+      throw net::reload_error(409, "this model is published for front servers (--publish-port): a new version would need its port; restart this "
+                                   "replica with the new file instead (its fronts route around it meanwhile)");
+    auto v = load_with(default_eo, path);
+    if (const int port = v->engine->published_port(); port >= 0) {
+      *published = true;
+      std::fprintf(stderr, "troupe serve: published for fronts at %s:%d (troupe serve --replica %s:%d)\n", default_eo.publish_host.c_str(), port,
+                   default_eo.publish_host.c_str(), port);
+    }
+    return v;
+  };
   net::model_slot_options so;
   so.drain_timeout_s = c.reload_drain_timeout_s;
   so.warmup_timeout_s = c.reload_warmup_timeout_s;
-  net::model_registry models(load, ec.model_path, so, (size_t)c.max_models);
+  net::model_registry models(load, ec.model_path, so, (size_t)c.max_models, load_default);
   return net::run_http_server(http, models);
 }
 
@@ -211,6 +235,16 @@ action add_serve(CLI::App& app) {
                   "hot reload: a replaced model version's generations still running after this long are ended")
       ->capture_default_str();
   cmd->add_option("--reload-warmup-timeout-s", f.reload_warmup_timeout_s, "hot reload: the new version's warm-up generation must finish within it")
+      ->capture_default_str();
+  cmd->add_option("--publish-port", f.publish_port,
+                  "data parallel: publish the default model's engine at this port for fronts (0: any free; -1: off)")
+      ->capture_default_str();
+  cmd->add_option("--publish-host", f.publish_host, "data parallel: the address the engine is published on (trusted networks only)")
+      ->capture_default_str();
+  cmd->add_option("--replica", f.replicas, "data parallel: HOST:PORT of a published server of the same model to route to as well (repeatable)");
+  cmd->add_option("--replica-retry-s", f.replica_retry_s, "data parallel: an unreachable, lost or mismatched replica is tried again this often")
+      ->capture_default_str();
+  cmd->add_option("--replica-timeout-s", f.replica_timeout_s, "data parallel: connecting to a replica and its first answer, at most")
       ->capture_default_str();
   cmd->add_option("--api-key", f.api_keys, "API key clients send as 'Authorization: Bearer KEY' (repeatable; none: open)");
   cmd->add_option("--admin-api-key", f.admin_api_keys, "key for operator endpoints such as /metrics (repeatable; none: the API keys)");

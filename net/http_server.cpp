@@ -426,11 +426,19 @@ class server {
   awaitable<response> ready(unsigned ver, bool keep) {
     auto [st, err] = co_await engine_stats();
     if (!st) co_return error_response(http_error(503, "the engine does not answer: " + err, "unavailable"), ver, keep);
-    const bool ok = st->executor_alive && !st->circuit_open;
+    // Ready while generations have somewhere to run: the local executor, or a remote replica.
+    const auto replicas = models_.find("")->engine->replicas();
+    bool ok = st->executor_alive && !st->circuit_open;
+    json rj = json::array();
+    for (size_t i = 0; i < replicas.size(); ++i) {
+      if (i > 0) ok |= replicas[i].up;
+      rj.push_back({{"name", replicas[i].name}, {"up", replicas[i].up}, {"status", replicas[i].status}, {"in_flight", replicas[i].in_flight}});
+    }
     const model_slot_stats ms = models_.stats();
     json j{{"status", ok ? "ready" : "unavailable"}, {"running", st->n_running}, {"waiting", st->n_waiting},
            {"executor_alive", st->executor_alive}, {"circuit_open", st->circuit_open},
            {"model_version", ms.version}, {"draining_versions", ms.n_retired}};
+    if (replicas.size() > 1) j["replicas"] = std::move(rj);
     co_return json_response(ok ? http::status::ok : http::status::service_unavailable, dump(j), ver, keep);
   }
 
@@ -459,7 +467,7 @@ class server {
         [this]() -> awaitable<std::vector<metrics_registry::model_figures>> {
           std::vector<metrics_registry::model_figures> out;
           for (auto& [m, slot] : models_.snapshot()) {
-            metrics_registry::model_figures f{m->api.model_id, slot, std::nullopt};
+            metrics_registry::model_figures f{m->api.model_id, slot, std::nullopt, m->engine->replicas()};
             try {
               f.engine = m->engine->stats(std::chrono::seconds(2));
             } catch (const std::exception&) {

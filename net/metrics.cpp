@@ -176,6 +176,25 @@ std::string metrics_registry::render(std::span<const model_figures> models) cons
   family("troupe_executor_alive", "gauge", "1 while an executor is running.", [](const F& m) { return (int64_t)m.engine->executor_alive; });
   family("troupe_circuit_open", "gauge", "1 when the executor failed too often and requests are refused.",
          [](const F& m) { return (int64_t)m.engine->circuit_open; });
+  // Data parallel (--replica): one line per model and replica ("local" is this server's executor).
+  auto replica_family = [&](const char* name, const char* type, const char* help, auto value) {
+    bool any = false;
+    for (const auto& m : models) any |= m.replicas.size() > 1;
+    if (!any) return;
+    header(out, name, type, help);
+    for (const auto& m : models) {
+      if (m.replicas.size() < 2) continue;
+      for (const auto& r : m.replicas)
+        out += std::string(name) + "{model=\"" + label_value(m.model) + "\",replica=\"" + label_value(r.name) + "\"} " + fmt(value(r)) + "\n";
+    }
+  };
+  using R = actors::replica_stats;
+  replica_family("troupe_replica_up", "gauge", "1 while generations can be routed to the replica.", [](const R& r) { return (int64_t)r.up; });
+  replica_family("troupe_replica_in_flight", "gauge", "Generations running or queued at the replica.", [](const R& r) { return r.in_flight; });
+  replica_family("troupe_replica_routed_total", "counter", "Generations routed to the replica (a moved one counts at each).",
+                 [](const R& r) { return r.routed; });
+  replica_family("troupe_replica_lost_total", "counter", "Generations whose replica died or disconnected while they ran there.",
+                 [](const R& r) { return r.lost; });
   return out;
 }
 

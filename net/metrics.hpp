@@ -68,6 +68,7 @@ class metrics_registry {
     std::string model;
     model_slot_stats slot;
     std::optional<actors::engine_stats> engine;
+    std::vector<actors::replica_stats> replicas;  // local first; rendered when it has remote replicas
   };
   /// The whole exposition: the HTTP-side metrics, then per served model (label model="ID") its
   /// versions, reloads and engine figures.

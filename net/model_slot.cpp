@@ -221,9 +221,10 @@ bool valid_name(const std::string& n) {
 
 }  // namespace
 
-model_registry::model_registry(model_slot::loader load, const std::string& path, model_slot_options opts, size_t max_models)
+model_registry::model_registry(model_slot::loader load, const std::string& path, model_slot_options opts, size_t max_models,
+                               model_slot::loader load_default)
     : load_(std::move(load)), opts_(opts), max_models_(std::max<size_t>(1, max_models)) {
-  slots_.push_back(std::make_unique<model_slot>(load_, path, opts_, "", std::vector<std::string>{"default"}));
+  slots_.push_back(std::make_unique<model_slot>(load_default ? std::move(load_default) : load_, path, opts_, "", std::vector<std::string>{"default"}));
   default_ = slots_.front()->name();
 }
 

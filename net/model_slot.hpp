@@ -133,8 +133,10 @@ class model_slot {
 /// after drain_timeout_s) and its engine is destroyed on the slot's thread.
 class model_registry {
  public:
-  /// Loads the default model (throws what the loader throws).
-  model_registry(model_slot::loader load, const std::string& path, model_slot_options opts, size_t max_models);
+  /// Loads the default model (throws what the loader throws) with `load_default` (null: `load`),
+  /// which builds its versions; `load` builds those of the models loaded later.
+  model_registry(model_slot::loader load, const std::string& path, model_slot_options opts, size_t max_models,
+                 model_slot::loader load_default = nullptr);
   ~model_registry();
 
   /// The current version of the model whose id or alias is `name` ("": the default). Throws

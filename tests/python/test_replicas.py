@@ -1,0 +1,343 @@
+"""Data-parallel replicas across processes (CAF middleman over loopback): a front `troupe serve
+--replica HOST:PORT` routes generations to another `troupe serve --publish-port PORT` process
+besides its own executor.
+
+The reference is the same request served by one process alone: routing must be invisible
+(greedy and seeded outputs, logprobs, stop strings equal). Failure paths use real processes
+killed with SIGKILL: a replica dying mid-generation, coming back on its port, a front dying while
+the replica runs its generations, a replica of another model.
+"""
+import http.client
+import json
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from serve_util import MODEL, free_port, running_server, health_ok, stop, TROUPE
+
+pytestmark = pytest.mark.skipif(not MODEL.exists(), reason="default model not installed (scripts/setup.sh)")
+
+
+def request(port, method, path, body=None, timeout=120):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request(method, path, body=json.dumps(body) if body is not None else None,
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    try:
+        return r.status, json.loads(data)
+    except ValueError:
+        return r.status, data.decode()
+
+
+def metrics(port):
+    st, text = request(port, "GET", "/metrics")
+    assert st == 200
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'^(troupe_\w+)(\{[^}]*\})? (\S+)$', line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def replica_series(port, name, replica):
+    return metrics(port).get(f'{name}{{model="default",replica="{replica}"}}')
+
+
+def wait_for(cond, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.1)
+    pytest.fail(f"{what} within {timeout} s")
+
+
+def start_replica(port, http_port, *args):
+    """A `troupe serve --publish-port PORT` process (not a context manager: tests kill it)."""
+    proc = subprocess.Popen([TROUPE, "serve", "--host", "127.0.0.1", "--port", str(http_port), "-t", "1",
+                             "--publish-port", str(port), *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: health_ok(http_port) or proc.poll() is not None, 60, "the replica did not start")
+    assert proc.poll() is None, "the replica exited at start"
+    return proc
+
+
+def sse(port, body, on_token=None):
+    """Streams a completion; returns (text, n_tokens, error_or_None)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200, r.read()
+    text, n, err = "", 0, None
+    for raw in r:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        ev = json.loads(line[6:])
+        if "error" in ev:
+            err = ev["error"]
+            continue
+        text += ev["choices"][0]["text"]
+        if ev["choices"][0]["text"] or ev["choices"][0].get("finish_reason") is None:
+            n += 1
+            if on_token:
+                on_token(n)
+    conn.close()
+    return text, n, err
+
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
+           "In 1492, Columbus", "Water boils at"]
+
+
+def bodies():
+    out = []
+    for i, p in enumerate(PROMPTS):
+        b = {"prompt": p, "max_tokens": 24}
+        if i % 3 == 0:
+            b.update(temperature=0)
+        elif i % 3 == 1:
+            b.update(temperature=0.9, top_p=0.95, seed=1000 + i, logprobs=2, frequency_penalty=0.3)
+        else:
+            b.update(temperature=0, stop=["\n\n"], presence_penalty=0.5)
+        out.append(b)
+    return out
+
+
+@pytest.fixture
+def replica_and_front():
+    rport, rhttp = free_port(), free_port()
+    replica = start_replica(rport, rhttp)
+    try:
+        with running_server("--replica", f"127.0.0.1:{rport}", "--replica-retry-s", "0.3") as (front, _):
+            wait_for(lambda: replica_series(front, "troupe_replica_up", f"127.0.0.1:{rport}") == 1, 20,
+                     "the front did not connect to the replica")
+            yield front, rhttp, rport, replica
+    finally:
+        if replica.poll() is None:
+            stop(replica)
+
+
+def test_generations_spread_over_replicas_equal_one_process(replica_and_front):
+    front, rhttp, rport, _ = replica_and_front
+    remote = f"127.0.0.1:{rport}"
+    # The reference: each request served by the replica process alone, one at a time.
+    ref = []
+    for b in bodies():
+        st, r = request(rhttp, "POST", "/v1/completions", b)
+        assert st == 200, r
+        ref.append(r["choices"][0])
+    steps_before = metrics(rhttp)['troupe_scheduler_steps_total{model="default"}']
+    routed_before = replica_series(front, "troupe_replica_routed_total", remote)
+
+    results = [None] * len(ref)
+
+    def run(i, b):
+        results[i] = request(front, "POST", "/v1/completions", b)
+
+    for _ in range(2):  # all at once, twice: the least loaded replica takes each
+        threads = [threading.Thread(target=run, args=(i, b)) for i, b in enumerate(bodies())]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        for i, (st, r) in enumerate(results):
+            assert st == 200, r
+            got = r["choices"][0]
+            assert got["text"] == ref[i]["text"], (PROMPTS[i], got["text"], ref[i]["text"])
+            assert got["finish_reason"] == ref[i]["finish_reason"]
+            if ref[i]["logprobs"]:
+                assert got["logprobs"]["tokens"] == ref[i]["logprobs"]["tokens"]
+                assert got["logprobs"]["token_logprobs"] == pytest.approx(ref[i]["logprobs"]["token_logprobs"], abs=1e-4)
+
+    routed = replica_series(front, "troupe_replica_routed_total", remote) - routed_before
+    assert 2 <= routed <= 10, routed  # both places got work
+    assert replica_series(front, "troupe_replica_in_flight", remote) == 0
+    assert replica_series(front, "troupe_replica_lost_total", remote) == 0
+    # The routed generations ran on the replica's engine (its HTTP side saw none of them).
+    assert metrics(rhttp)['troupe_scheduler_steps_total{model="default"}'] > steps_before
+    # A stream through the front equals the replica's own stream.
+    b = {"prompt": "List three animals:", "max_tokens": 20, "temperature": 0}
+    assert sse(front, b)[:2] == sse(rhttp, b)[:2]
+
+
+def test_replica_killed_mid_generation_then_back(replica_and_front):
+    front, rhttp, rport, replica = replica_and_front
+    remote = f"127.0.0.1:{rport}"
+    body = {"prompt": "Write a long story about a dragon.", "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+    st, ref = request(rhttp, "POST", "/v1/completions", body)
+    assert st == 200
+    ref_text = ref["choices"][0]["text"]
+    # Two streams at once: one runs on each replica (fewest in flight).
+    progress = [0, 0]
+    out = [None, None]
+
+    def run(i):
+        out[i] = sse(front, body, on_token=lambda n: progress.__setitem__(i, n))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    wait_for(lambda: min(progress) >= 3, 60, "both streams did not start")
+    assert replica_series(front, "troupe_replica_in_flight", remote) == 1
+    replica.send_signal(signal.SIGKILL)
+    replica.wait()
+    for t in threads:
+        t.join(timeout=300)
+    failed = [o for o in out if o[2] is not None]
+    ok = [o for o in out if o[2] is None]
+    assert len(failed) == 1 and len(ok) == 1, out
+    assert ok[0][0] == ref_text
+    err = failed[0][2]
+    assert err["type"] == "unavailable" or "unavailable" in json.dumps(err), err
+    assert remote in err["message"] and "lost" in err["message"], err
+    assert 3 <= failed[0][1] < 160
+
+    # The front keeps serving alone; its /ready says where the replica is.
+    wait_for(lambda: replica_series(front, "troupe_replica_up", remote) == 0, 10, "the replica was not marked down")
+    assert replica_series(front, "troupe_replica_lost_total", remote) == 1
+    st, ready = request(front, "GET", "/ready")
+    assert st == 200 and ready["status"] == "ready"
+    assert [r["up"] for r in ready["replicas"]] == [True, False]
+    for _ in range(3):
+        st, r = request(front, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 4})
+        assert st == 200, r
+
+    # Back on the same port: the front reconnects and routes to it again.
+    replica = start_replica(rport, rhttp)
+    try:
+        wait_for(lambda: replica_series(front, "troupe_replica_up", remote) == 1, 20, "the front did not reconnect")
+        before = replica_series(front, "troupe_replica_routed_total", remote)
+        threads = [threading.Thread(target=request, args=(front, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 8}))
+                   for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert replica_series(front, "troupe_replica_routed_total", remote) > before
+    finally:
+        stop(replica)
+
+
+def test_generation_queued_on_a_lost_replica_moves_to_another():
+    """A replica that runs one sequence at a time holds a second one queued (no token yet): when
+    the replica dies, the running one fails and the queued one finishes on the front, with the
+    output it would have had."""
+    rport, rhttp = free_port(), free_port()
+    replica = start_replica(rport, rhttp, "--max-num-seqs", "1")
+    remote = f"127.0.0.1:{rport}"
+    try:
+        with running_server("--replica", remote, "--replica-retry-s", "5") as (front, _):
+            wait_for(lambda: replica_series(front, "troupe_replica_up", remote) == 1, 20, "no connection")
+            bodies_ = [{"prompt": p, "max_tokens": 120, "temperature": 0, "ignore_eos": True} for p in PROMPTS[:4]]
+            refs = []
+            for b in bodies_:
+                st, r = request(rhttp, "POST", "/v1/completions", b)
+                assert st == 200
+                refs.append(r["choices"][0]["text"])
+            progress = [0] * 4
+            out = [None] * 4
+
+            def run(i):
+                out[i] = sse(front, bodies_[i], on_token=lambda n: progress.__setitem__(i, n))
+
+            threads = []
+            for i in range(4):  # in turn: local, remote, local, remote (fewest in flight)
+                threads.append(threading.Thread(target=run, args=(i,)))
+                threads[-1].start()
+                wait_for(lambda: replica_series(front, "troupe_replica_in_flight", "local")
+                         + replica_series(front, "troupe_replica_in_flight", remote) == i + 1, 10, "not routed")
+            assert replica_series(front, "troupe_replica_in_flight", remote) == 2
+            wait_for(lambda: sorted(progress)[1] >= 3, 60, "three streams did not start")  # 2 local + 1 remote
+            assert sorted(progress)[0] == 0  # the one queued at the replica
+            replica.send_signal(signal.SIGKILL)
+            replica.wait()
+            for t in threads:
+                t.join(timeout=400)
+            failed = [i for i in range(4) if out[i][2] is not None]
+            assert len(failed) == 1, out
+            assert "lost" in out[failed[0]][2]["message"]
+            for i in range(4):
+                if i not in failed:
+                    assert out[i][0] == refs[i], i
+            assert replica_series(front, "troupe_replica_lost_total", remote) == 2  # the running and the queued one
+    finally:
+        stop(replica)
+
+
+def test_front_killed_replica_frees_what_it_ran():
+    rport, rhttp = free_port(), free_port()
+    replica = start_replica(rport, rhttp)
+    try:
+        fport = free_port()
+        front = subprocess.Popen([TROUPE, "serve", "--host", "127.0.0.1", "--port", str(fport), "-t", "1",
+                                  "--replica", f"127.0.0.1:{rport}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: health_ok(fport) and replica_series(fport, "troupe_replica_up", f"127.0.0.1:{rport}") == 1,
+                     60, "the front did not connect")
+            body = {"prompt": "Count to one thousand:", "max_tokens": 400, "ignore_eos": True}
+            def client():
+                try:
+                    sse(fport, body)
+                except OSError:  # the front is killed under it
+                    pass
+            for _ in range(4):
+                threading.Thread(target=client, daemon=True).start()
+            wait_for(lambda: metrics(rhttp)['troupe_num_requests_running{model="default"}'] >= 1, 30,
+                     "nothing ran on the replica")
+            assert metrics(rhttp)['troupe_kv_blocks_used{model="default"}'] > 0
+        finally:
+            front.send_signal(signal.SIGKILL)
+            front.wait()
+        # The replica sees its client actors go (the connection closed) and frees their sequences.
+        wait_for(lambda: metrics(rhttp)['troupe_num_requests_running{model="default"}'] == 0
+                 and metrics(rhttp)['troupe_num_requests_waiting{model="default"}'] == 0
+                 and metrics(rhttp)['troupe_kv_blocks_used{model="default"}'] == 0, 15,
+                 "the replica did not free the dead front's sequences")
+        st, r = request(rhttp, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 4})
+        assert st == 200, r
+    finally:
+        stop(replica)
+
+
+def test_replica_of_another_model_is_not_used(tiny_dir):
+    rport, rhttp = free_port(), free_port()
+    replica = start_replica(rport, rhttp, "--model", str(tiny_dir / "llama_f32_gqa2.gguf"))
+    remote = f"127.0.0.1:{rport}"
+    try:
+        with running_server("--replica", remote, "--replica-retry-s", "0.3") as (front, _):
+            def refused():
+                st, ready = request(front, "GET", "/ready")
+                return st == 200 and "another model" in ready["replicas"][1]["status"] and not ready["replicas"][1]["up"]
+            wait_for(refused, 20, "the mismatched replica was not reported")
+            for _ in range(4):
+                st, r = request(front, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 4})
+                assert st == 200, r
+            assert replica_series(front, "troupe_replica_routed_total", remote) == 0
+    finally:
+        stop(replica)
+
+
+def test_bad_replica_options_are_refused():
+    for args, needle in [(["--replica", "nohost"], "HOST:PORT"), (["--replica", "h:70000"], "HOST:PORT"),
+                         (["--publish-port", "70000"], "publish_port"), (["--replica-retry-s", "0"], "retry_s")]:
+        r = subprocess.run([TROUPE, "serve", "--port", "0", *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and needle in r.stderr, (args, r.stderr)
+    # A port already taken: a clear error, not a hang.
+    busy = free_port()
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", busy))
+        s.listen()
+        r = subprocess.run([TROUPE, "serve", "--port", "0", "--publish-port", str(busy)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "cannot publish" in r.stderr, r.stderr
