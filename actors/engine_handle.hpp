@@ -102,6 +102,7 @@ struct engine_options {
   int32_t n_host_blocks = 0;    // swap space; 0: as many as device blocks
   int64_t max_kv_bytes = 256LL << 20;
   int cuda_device = -1;          // the executor's device: -1 the CPU, else a CUDA device (a build with CUDA)
+  int tensor_parallel = 1;       // CPU: the forward split over this many ranks (heads, feed-forward columns)
   scheduler_config sched;
   double step_timeout_s = 120;   // an executor step longer than this counts as a failure
   int max_restarts = 3;          // executor restarts within restart_window_s before giving up

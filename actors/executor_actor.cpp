@@ -15,6 +15,7 @@
 #include "actors/runtime.hpp"
 #include "engine/device_module.hpp"
 #include "engine/forward.hpp"
+#include "engine/tensor_parallel.hpp"
 #include "kernels/thread_pool.hpp"
 
 namespace troupe::actors {
@@ -59,36 +60,51 @@ class backend {
   }
 };
 
-// The CPU: KV pools in host memory, the forward on the executor's own thread pool.
+// The CPU: KV pools in host memory, the forward on the executor's own thread pool; or, with
+// tensor_parallel > 1, split over that many ranks (threads shared among them), each with the KV
+// pools of its heads (engine/tensor_parallel.hpp).
 class cpu_backend final : public backend {
  public:
   explicit cpu_backend(const executor_config& c)
       : emulate_device_sampling_(c.emulate_device_sampling),
-        n_vocab_((size_t)c.model->hparams().n_vocab),
-        pool_(c.n_threads),
-        device_(c.kv, c.n_device_blocks),
-        host_(c.kv, c.n_host_blocks > 0 ? c.n_host_blocks : 1),
-        fwd_(*c.model, device_, pool_),
-        bytes_((size_t)c.kv.block_bytes()) {}
+        n_vocab_((size_t)c.model->hparams().n_vocab) {
+    const int32_t n_host = c.n_host_blocks > 0 ? c.n_host_blocks : 1;
+    if (c.tensor_parallel > 1) {
+      tp_ = std::make_unique<engine::tp_cpu_forward>(*c.model, c.tensor_parallel, c.kv, c.n_device_blocks, n_host,
+                                                     std::max(1, c.n_threads / c.tensor_parallel));
+      return;
+    }
+    pool_ = std::make_unique<kernels::thread_pool>(c.n_threads);
+    device_ = std::make_unique<engine::kv_storage>(c.kv, c.n_device_blocks);
+    host_ = std::make_unique<engine::kv_storage>(c.kv, n_host);
+    fwd_ = std::make_unique<engine::cpu_forward>(*c.model, *device_, *pool_);
+  }
 
   void copy_blocks(const std::vector<engine::block_copy>& copies) override {
-    for (const auto& c : copies) {
-      using k = engine::block_copy::kind;
-      engine::kv_storage& src = c.dir == k::host_to_device ? host_ : device_;
-      engine::kv_storage& dst = c.dir == k::device_to_host ? host_ : device_;
-      if (c.src < 0 || c.src >= src.n_blocks() || c.dst < 0 || c.dst >= dst.n_blocks())
-        throw std::logic_error("executor: block copy out of range");
-      std::memcpy(dst.block_data(c.dst), src.block_data(c.src), bytes_);
-    }
+    auto copy = [&](engine::kv_storage& device, engine::kv_storage& host) {
+      const auto bytes = (size_t)device.shape().block_bytes();
+      for (const auto& c : copies) {
+        using k = engine::block_copy::kind;
+        engine::kv_storage& src = c.dir == k::host_to_device ? host : device;
+        engine::kv_storage& dst = c.dir == k::device_to_host ? host : device;
+        if (c.src < 0 || c.src >= src.n_blocks() || c.dst < 0 || c.dst >= dst.n_blocks())
+          throw std::logic_error("executor: block copy out of range");
+        std::memcpy(dst.block_data(c.dst), src.block_data(c.src), bytes);
+      }
+    };
+    if (tp_) tp_->for_each_kv(copy);
+    else copy(*device_, *host_);
   }
-  const std::vector<float>& forward(std::span<const engine::seq_chunk> batch) override { return fwd_.forward(batch); }
+  const std::vector<float>& forward(std::span<const engine::seq_chunk> batch) override {
+    return tp_ ? tp_->forward(batch) : fwd_->forward(batch);
+  }
 
   // Tests (emulate_device_sampling): the device path's contract, sampled by the host sampler with
   // the seed the host path would use, so both paths give the same tokens.
   bool samples_on_device(size_t, size_t) const override { return emulate_device_sampling_; }
   std::vector<engine::token_id> forward_sample(std::span<const engine::seq_chunk> batch,
                                                std::span<const device_sample_row> rows) override {
-    const std::vector<float>& logits = fwd_.forward(batch);
+    const std::vector<float>& logits = forward(batch);
     if (logits.size() != rows.size() * n_vocab_) throw std::logic_error("executor: logits rows and sampling rows disagree");
     std::vector<engine::token_id> tokens;
     std::vector<float> row(n_vocab_);
@@ -102,10 +118,10 @@ class cpu_backend final : public backend {
  private:
   bool emulate_device_sampling_;
   size_t n_vocab_;
-  kernels::thread_pool pool_;
-  engine::kv_storage device_, host_;
-  engine::cpu_forward fwd_;
-  size_t bytes_;
+  std::unique_ptr<kernels::thread_pool> pool_;
+  std::unique_ptr<engine::kv_storage> device_, host_;
+  std::unique_ptr<engine::cpu_forward> fwd_;
+  std::unique_ptr<engine::tp_cpu_forward> tp_;
 };
 
 // A CUDA device, through the module (engine/device_module.hpp): weights, KV pool and pinned host

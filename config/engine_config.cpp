@@ -16,6 +16,8 @@ std::string validate(const engine_config& c) {
   if (c.kv_block_size < 1 || c.kv_block_size > 1024 || (c.kv_block_size & (c.kv_block_size - 1)))
     return "--kv-block-size must be a power of two in [1, 1024], got " + std::to_string(c.kv_block_size);
   if (c.n_batch < 1 || c.n_batch > 65536) return "--batch-size must be in [1, 65536], got " + std::to_string(c.n_batch);
+  if (c.tensor_parallel < 1 || c.tensor_parallel > 64)
+    return "--tensor-parallel must be in [1, 64], got " + std::to_string(c.tensor_parallel);
   if (c.max_kv_bytes < (1 << 20)) return "--max-kv-bytes must be at least 1 MiB";
   try {
     parse_device(c.device);

@@ -14,6 +14,7 @@ struct engine_config {
   int kv_block_size = 16;   // positions per KV block
   int n_batch = 256;        // max tokens per forward step (prefill chunk size); perf.md 2d
   int64_t max_kv_bytes = 1LL << 30;  // cap on the KV cache allocation
+  int tensor_parallel = 1;  // ranks the model is split over (heads, feed-forward columns); CPU: threads are shared among them
   std::string device = "cpu";  // the executor's device: "cpu", or "cuda" / "cuda:N" (builds with CUDA)
 };
 

@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "engine/communicator.hpp"
+#include "engine/tensor_parallel.hpp"
 #include "kernels/dequant.hpp"
 #include "kernels/thread_pool.hpp"
 
@@ -13,12 +15,17 @@ namespace troupe::engine {
 
 using kernels::thread_pool;
 
-cpu_forward::cpu_forward(const model& m, kv_storage& kv, thread_pool& pool) : m_(m), kv_(kv), pool_(pool) {
-  const auto& hp = m.hparams();
+cpu_forward::cpu_forward(const model& m, kv_storage& kv, thread_pool& pool, const model_shard* shard, communicator* comm)
+    : m_(m), shard_(shard), comm_(comm), hp_(shard ? shard->hp : m.hparams()), kv_(kv), pool_(pool) {
+  if ((shard == nullptr) != (comm == nullptr) || (shard && (shard->rank != comm->rank() || shard->n_ranks != comm->size())))
+    throw std::invalid_argument("cpu_forward: a shard needs the communicator of its rank");
+  const auto& hp = hp_;
   const auto& s = kv.shape();
   if (s.n_layers != hp.n_layers || s.n_kv_heads != hp.n_kv_heads || s.head_dim != hp.head_dim)
     throw std::invalid_argument("cpu_forward: KV storage shape does not match the model");
 }
+
+const layer_weights& cpu_forward::layer(int il) const { return shard_ ? shard_->layers[(size_t)il] : m_.layer(il); }
 
 void validate_batch(std::span<const seq_chunk> batch, int n_vocab, int block_size, int32_t n_blocks) {
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -46,7 +53,7 @@ void grow(std::vector<float>& v, int64_t size) {
 }  // namespace
 
 void cpu_forward::resize(int64_t n) {
-  const auto& hp = m_.hparams();
+  const auto& hp = hp_;
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim, kvd = (int64_t)hp.n_kv_heads * hp.head_dim;
   grow(x_, n * d);
   grow(h_, n * d);
@@ -68,7 +75,7 @@ void cpu_forward::resize(int64_t n) {
 // (heads are independent: no effect on the numbers). Items are taken longest first, one at a
 // time, so a prefill's causal rows (row r attends to r + 1 positions) balance.
 void cpu_forward::plan_attention(int64_t n, int64_t window, attn_plan& plan) {
-  const auto& hp = m_.hparams();
+  const auto& hp = hp_;
   const int64_t nth = pool_.size();
   const int64_t len = attention_part_positions;
   plan.max_len = 0;
@@ -107,7 +114,7 @@ void cpu_forward::plan_attention(int64_t n, int64_t window, attn_plan& plan) {
 
 // h_ = RMSNorm(h_) * w, row by row (Gemma's norm of each block's output before the residual add).
 void cpu_forward::post_norm(const std::vector<float>& w, int64_t n) {
-  const auto& hp = m_.hparams();
+  const auto& hp = hp_;
   const int64_t d = hp.d_model;
   pool_.parallel_for(n, 8, [&](int64_t r0, int64_t r1, int) {
     for (int64_t r = r0; r < r1; ++r) kernels::rmsnorm_row(&h_[(size_t)(r * d)], w.data(), &h_[(size_t)(r * d)], d, hp.norm_eps);
@@ -115,8 +122,8 @@ void cpu_forward::post_norm(const std::vector<float>& w, int64_t n) {
 }
 
 const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch) {
-  validate_batch(batch, m_.hparams().n_vocab, kv_.shape().block_size, kv_.n_blocks());
-  const auto& hp = m_.hparams();
+  validate_batch(batch, hp_.n_vocab, kv_.shape().block_size, kv_.n_blocks());
+  const auto& hp = hp_;
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim, kvd = (int64_t)hp.n_kv_heads * hp.head_dim;
   const int bs = kv_.shape().block_size;
 
@@ -154,7 +161,7 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
 
   const float attn_scale = hp.attn_scale > 0 ? hp.attn_scale : 1.0f / std::sqrt((float)hp.head_dim);
   for (int il = 0; il < hp.n_layers; ++il) {
-    const layer_weights& L = m_.layer(il);
+    const layer_weights& L = layer(il);
     const kernels::kv_layer_view kv = kv_.layer(il);
     const attn_plan& plan = L.sliding ? window_ : full_;
     const std::vector<float>& cos_sin = L.sliding ? cos_sin_swa_ : cos_sin_;
@@ -211,6 +218,7 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
       }
     });
     kernels::matmul(L.wo, o_.data(), qd, n, h_.data(), d, pool_);
+    if (comm_) comm_->all_reduce_sum(h_.data(), (size_t)(n * d));  // the ranks' heads' partial sums
     if (!L.post_attn_norm.empty()) post_norm(L.post_attn_norm, n);
     for (int64_t i = 0; i < n * d; ++i) x_[(size_t)i] += h_[(size_t)i];
 
@@ -225,11 +233,16 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
       else kernels::swiglu(&gate_[(size_t)(r0 * hp.d_ff)], &up_[(size_t)(r0 * hp.d_ff)], (r1 - r0) * hp.d_ff);
     });
     kernels::matmul(L.w_down, gate_.data(), hp.d_ff, n, h_.data(), d, pool_);
+    if (comm_) comm_->all_reduce_sum(h_.data(), (size_t)(n * d));  // the ranks' feed-forward columns' partial sums
     if (!L.post_ffn_norm.empty()) post_norm(L.post_ffn_norm, n);
     for (int64_t i = 0; i < n * d; ++i) x_[(size_t)i] += h_[(size_t)i];
   }
 
-  // Output rows: every row of all_logits chunks, else each chunk's last row.
+  // Output rows: every row of all_logits chunks, else each chunk's last row (rank 0 of a group only).
+  if (comm_ && comm_->rank() != 0) {
+    logits_.clear();
+    return logits_;
+  }
   int64_t n_out = 0;
   for (const auto& c : batch) n_out += c.no_logits ? 0 : c.all_logits ? (int64_t)c.tokens.size() : 1;
   if ((int64_t)out_rows_.size() < n_out * d) out_rows_.resize((size_t)(n_out * d));

@@ -17,6 +17,9 @@ class thread_pool;
 
 namespace troupe::engine {
 
+struct model_shard;
+class communicator;
+
 /// One sequence's part of a step: tokens at positions [pos0, pos0 + tokens.size()).
 struct seq_chunk {
   std::span<const token_id> tokens;
@@ -36,13 +39,20 @@ class cpu_forward {
   /// Positions per part of a row's attention (the parts are merged; see plan_attention).
   static constexpr int64_t attention_part_positions = 256;
 
-  cpu_forward(const model& m, kv_storage& kv, kernels::thread_pool& pool);
+  /// With `shard` and `comm` (engine/tensor_parallel.hpp): one rank of a tensor-parallel group,
+  /// running its share of the heads and feed-forward columns over `kv` (its KV heads), the
+  /// partial sums completed by comm's all-reduce. Only rank 0 computes logits (the others return
+  /// none). `shard` and `comm` outlive the forward.
+  cpu_forward(const model& m, kv_storage& kv, kernels::thread_pool& pool, const model_shard* shard = nullptr,
+              communicator* comm = nullptr);
 
   /// Runs one step. Returns the logits rows, n_vocab floats each, in batch order: every token of
   /// a chunk with all_logits, none for a chunk with no_logits, else its last token. The KV of every token is written to the cache.
   /// Throws std::invalid_argument (nothing written) when a token id is out of range or a block
   /// table does not cover its positions.
   const std::vector<float>& forward(std::span<const seq_chunk> batch);
+  /// The logits of the last forward.
+  const std::vector<float>& logits() const { return logits_; }
 
  private:
   void resize(int64_t n_tokens);
@@ -50,7 +60,12 @@ class cpu_forward {
   struct attn_plan;
   void plan_attention(int64_t n_tokens, int64_t window, attn_plan& plan);
 
+  const layer_weights& layer(int il) const;  // the model's, or the shard's
+
   const model& m_;
+  const model_shard* shard_;
+  communicator* comm_;
+  const model_hparams& hp_;  // the model's, or the shard's (its heads and feed-forward width)
   kv_storage& kv_;
   kernels::thread_pool& pool_;
   // Scratch, grown on demand and reused across steps.

@@ -36,18 +36,32 @@ const char* to_string(finish_reason r) {
 
 generator::generator(const model& m, const generator_options& opt)
     : m_(m), opt_(opt), n_ctx_(opt.n_ctx > 0 ? opt.n_ctx : m.hparams().n_ctx_train),
-      pool_(std::make_unique<kernels::thread_pool>(opt.n_threads < 1 ? 1 : opt.n_threads)) {}
+      pool_(std::make_unique<kernels::thread_pool>(opt.n_threads < 1 ? 1 : opt.n_threads)) {
+  if (opt.tensor_parallel > 1)
+    if (std::string err = tensor_parallel_error(m, opt.tensor_parallel); !err.empty()) throw std::invalid_argument(err);
+}
 
 generator::~generator() = default;
 
 void generator::ensure_kv(int64_t n_blocks) {
-  if (kv_ && kv_->n_blocks() >= n_blocks) return;
+  if (kv_blocks_ >= n_blocks) return;
   fwd_.reset();
+  tp_.reset();
   kv_.reset();
   const auto& hp = m_.hparams();
   kv_shape shape{hp.n_layers, hp.n_kv_heads, hp.head_dim, opt_.block_size};
-  kv_ = std::make_unique<kv_storage>(shape, (int32_t)n_blocks);
-  fwd_ = std::make_unique<cpu_forward>(m_, *kv_, *pool_);
+  if (opt_.tensor_parallel > 1) {
+    const int per_rank = std::max(1, opt_.n_threads / opt_.tensor_parallel);
+    tp_ = std::make_unique<tp_cpu_forward>(m_, opt_.tensor_parallel, shape, (int32_t)n_blocks, 1, per_rank);
+  } else {
+    kv_ = std::make_unique<kv_storage>(shape, (int32_t)n_blocks);
+    fwd_ = std::make_unique<cpu_forward>(m_, *kv_, *pool_);
+  }
+  kv_blocks_ = n_blocks;
+}
+
+const std::vector<float>& generator::forward(std::span<const seq_chunk> batch) {
+  return tp_ ? tp_->forward(batch) : fwd_->forward(batch);
 }
 
 std::vector<float> generator::logits_all(std::span<const token_id> tokens) {
@@ -64,7 +78,7 @@ std::vector<float> generator::logits_all(std::span<const token_id> tokens) {
   for (size_t p = 0; p < tokens.size(); p += (size_t)opt_.n_batch) {
     const size_t len = std::min(tokens.size() - p, (size_t)opt_.n_batch);
     seq_chunk c{tokens.subspan(p, len), (int64_t)p, blocks, true};
-    const auto& l = fwd_->forward(std::span(&c, 1));
+    const auto& l = forward(std::span(&c, 1));
     out.insert(out.end(), l.begin(), l.begin() + (ptrdiff_t)(len * (size_t)n_vocab));
   }
   return out;
@@ -122,7 +136,7 @@ std::vector<generation_result> generator::run(std::span<const generation_request
     }
     if (batch.empty()) break;
 
-    const std::vector<float>& logits = fwd_->forward(batch);
+    const std::vector<float>& logits = forward(batch);
     for (size_t b = 0, row_i = 0; b < batch.size(); ++b) {
       seq_state& s = seqs[owner[b]];
       s.n_done += (int64_t)batch[b].tokens.size();

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "engine/forward.hpp"
+#include "engine/tensor_parallel.hpp"
 #include "engine/kv_cache.hpp"
 #include "engine/model.hpp"
 #include "engine/sampling.hpp"
@@ -45,6 +46,7 @@ struct generator_options {
   int n_ctx = 0;        // max positions per sequence (0: the model's trained context)
   int block_size = 16;
   int n_batch = 512;    // max tokens per step
+  int tensor_parallel = 1;  // > 1: the forward split over this many ranks (engine/tensor_parallel.hpp), threads shared
 };
 
 class generator {
@@ -76,6 +78,9 @@ class generator {
   std::unique_ptr<kernels::thread_pool> pool_;
   std::unique_ptr<kv_storage> kv_;
   std::unique_ptr<cpu_forward> fwd_;
+  std::unique_ptr<tp_cpu_forward> tp_;  // instead of fwd_ with tensor_parallel > 1
+  int64_t kv_blocks_ = 0;               // blocks of the KV cache built
+  const std::vector<float>& forward(std::span<const seq_chunk> batch);
 };
 
 }  // namespace troupe::engine

@@ -12,6 +12,8 @@ void add_engine_options(CLI::App& cmd, config::engine_config& c) {
   cmd.add_option("-c,--ctx-size", c.n_ctx, "max positions per sequence (0: the model's trained context)");
   cmd.add_option("--kv-block-size", c.kv_block_size, "positions per paged KV block");
   cmd.add_option("-b,--batch-size", c.n_batch, "max tokens per forward step (prefill chunk)");
+  cmd.add_option("--tensor-parallel,--tp", c.tensor_parallel,
+                 "tensor-parallel ranks: the model's heads and feed-forward columns split over them (CPU: the threads are shared)");
 }
 
 void add_sampling_options(CLI::App& cmd, engine::sampling_params& p) {

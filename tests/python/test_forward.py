@@ -84,20 +84,20 @@ def _run(args: list[str]) -> str:
     return r.stdout
 
 
-def troupe_logits(model: Path, tokens: list[int], n_vocab: int, tmp_path: Path) -> np.ndarray:
+def troupe_logits(model: Path, tokens: list[int], n_vocab: int, tmp_path: Path, extra=()) -> np.ndarray:
     out = tmp_path / "logits.f32"
     _run(["logits", "--model", str(model), "--tokens", ",".join(map(str, tokens)),
-          "--out", str(out)])
+          "--out", str(out), *extra])
     data = np.fromfile(out, dtype="<f4")
     assert data.size == len(tokens) * n_vocab, (
         f"{out} holds {data.size} floats, expected {len(tokens)} x {n_vocab}")
     return data.reshape(len(tokens), n_vocab).astype(np.float64)
 
 
-def troupe_generate(model: Path, tokens: list[int], n: int) -> list[int]:
+def troupe_generate(model: Path, tokens: list[int], n: int, extra=()) -> list[int]:
     stdout = _run(["generate", "--model", str(model), "--prompt-tokens", ",".join(map(str, tokens)),
                    "--max-tokens", str(n), "--temperature", "0", "--ignore-eos",
-                   "--print-token-ids"])
+                   "--print-token-ids", *extra])
     lines = [ln for ln in stdout.splitlines() if ln.strip()]
     assert lines, "generate printed nothing"
     try:
@@ -170,25 +170,47 @@ def test_tiny_greedy(tiny_dir, name):
     assert not problems, f"{name}: " + "; ".join(problems)
 
 
+# The tiny presets' float types (quantized ones: the default model below): heads, KV heads and
+# feed-forward columns in 2 and 4, qwen2's q/k/v biases sliced with their rows.
+@pytest.mark.parametrize("name,ranks", [("llama_f32_gqa2", 2), ("llama_f32_mha_untied", 4), ("llama_f32_4layer_vocab384", 2),
+                                        ("llama_f16", 2), ("llama_bf16_untied", 2), ("qwen2_f32_untied", 2),
+                                        ("qwen2_f16_mha", 4)])
+def test_tiny_logits_tensor_parallel(tiny_dir, name, ranks, tmp_path):
+    _troupe_bin()
+    path = tiny_dir / f"{name}.gguf"
+    tokens = lr.tiny_prompts()[37]
+    want = _ref_logits(str(path), tuple(tokens))
+    got = troupe_logits(path, tokens, want.shape[1], tmp_path, ("--tensor-parallel", str(ranks)))
+    tol = lr.rel_tolerance(path)
+    _check_logits(got, want, tol, 2 * tol, f"{name}, {ranks} ranks")
+
+
 # ---- the default model ------------------------------------------------------------------------
 
+# Tensor parallelism (engine/tensor_parallel.hpp) is checked against the same reference with the
+# same bounds: the default model's 9 heads, 3 KV heads and 1536 feed-forward columns split in 3.
+TP = {"1 rank": (), "3 ranks": ("--tensor-parallel", "3")}
+
+
+@pytest.mark.parametrize("tp", list(TP))
 @pytest.mark.parametrize("text", list(lr.DEFAULT_LOGITS_PROMPTS))
-def test_default_logits(text, tmp_path):
+def test_default_logits(text, tp, tmp_path):
     _troupe_bin()  # skip before computing references
     path = _default_model()
     tokens = lr.DEFAULT_LOGITS_PROMPTS[text]
     want = _ref_logits(str(path), tuple(tokens))
-    got = troupe_logits(path, tokens, want.shape[1], tmp_path)
+    got = troupe_logits(path, tokens, want.shape[1], tmp_path, TP[tp])
     _check_logits(got, want, lr.DEFAULT_MODEL_REL_TOL, lr.DEFAULT_MODEL_POS_REL_TOL,
-                  f"default model, {text!r}")
+                  f"default model, {tp}, {text!r}")
 
 
+@pytest.mark.parametrize("tp", list(TP))
 @pytest.mark.parametrize("text", list(lr.DEFAULT_GREEDY_PROMPTS))
-def test_default_greedy(text):
+def test_default_greedy(text, tp):
     _troupe_bin()  # skip before computing references
     path = _default_model()
     prompt = lr.DEFAULT_GREEDY_PROMPTS[text]
-    got = troupe_generate(path, prompt, lr.N_GREEDY_DEFAULT)
+    got = troupe_generate(path, prompt, lr.N_GREEDY_DEFAULT, TP[tp])
     rows = _ref_logits(str(path), tuple(prompt + got[:-1]))[len(prompt) - 1:]
     deficits = lr.greedy_deficits(rows, got)
     first = int(np.flatnonzero(deficits > 0)[0]) if np.any(deficits > 0) else None
