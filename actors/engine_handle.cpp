@@ -11,6 +11,7 @@
 
 #include "actors/runtime.hpp"
 #include "engine/device_module.hpp"
+#include "engine/pipeline_parallel.hpp"
 #include "engine/tensor_parallel.hpp"
 
 namespace troupe::actors {
@@ -145,12 +146,14 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
       throw std::invalid_argument("no CUDA device " + std::to_string(o.cuda_device) + ": this machine has " + std::to_string(n) +
                                   " usable (a driver and a GPU are needed; use the CPU)");
   }
-  if (o.tensor_parallel > 1 && o.cuda_device >= 0)
-    throw std::invalid_argument("tensor parallel runs on the CPU backend only (NCCL between GPUs is not implemented): use --device cpu or --tensor-parallel 1");
+  if ((o.tensor_parallel > 1 || o.pipeline_parallel > 1) && o.cuda_device >= 0)
+    throw std::invalid_argument("tensor and pipeline parallel run on the CPU backend only (NCCL between GPUs is not implemented): use --device cpu");
+  if (o.tensor_parallel > 1 && o.pipeline_parallel > 1) throw std::invalid_argument("tensor and pipeline parallelism cannot be combined yet");
   auto p = std::make_unique<impl>();
   p->model = std::shared_ptr<const engine::model>(engine::model::load(o.model_path));
   if (o.tensor_parallel > 1)
     if (std::string err = engine::tensor_parallel_error(*p->model, o.tensor_parallel); !err.empty()) throw std::invalid_argument(err);
+  if (o.pipeline_parallel > 1) engine::split_layers(p->model->hparams().n_layers, o.pipeline_parallel);  // throws when it does not split
   const auto& hp = p->model->hparams();
   engine::kv_shape shape{hp.n_layers, hp.n_kv_heads, hp.head_dim, o.kv_block_size};
   const int64_t dev_blocks = o.n_device_blocks > 0 ? o.n_device_blocks : std::max<int64_t>(1, o.max_kv_bytes / shape.block_bytes());
@@ -185,7 +188,7 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   p->sys = std::make_unique<caf::actor_system>(p->cfg);
   scheduler_config_msg scm{sc, p->model, o.kv_block_size, n_dev, n_host, o.step_timeout_s};
   p->scheduler = spawn_scheduler(*p->sys, scm);
-  executor_config ec{p->model, o.n_threads, shape, n_dev, n_host, o.cuda_device, o.tensor_parallel,
+  executor_config ec{p->model, o.n_threads, shape, n_dev, n_host, o.cuda_device, o.tensor_parallel, o.pipeline_parallel,
                      sc.max_batched_tokens, sc.max_num_seqs, sc.max_model_len, o.fail_executor_start,
                      o.emulate_device_sampling};
   p->supervisor = p->sys->spawn(supervisor_actor, p->scheduler, ec, o.max_restarts, o.restart_window_s);

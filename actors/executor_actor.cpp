@@ -15,6 +15,7 @@
 #include "actors/runtime.hpp"
 #include "engine/device_module.hpp"
 #include "engine/forward.hpp"
+#include "engine/pipeline_parallel.hpp"
 #include "engine/tensor_parallel.hpp"
 #include "kernels/thread_pool.hpp"
 
@@ -62,7 +63,8 @@ class backend {
 
 // The CPU: KV pools in host memory, the forward on the executor's own thread pool; or, with
 // tensor_parallel > 1, split over that many ranks (threads shared among them), each with the KV
-// pools of its heads (engine/tensor_parallel.hpp).
+// pools of its heads (engine/tensor_parallel.hpp); or with pipeline_parallel > 1 over that many
+// stages, each with the KV pools of its layers (engine/pipeline_parallel.hpp).
 class cpu_backend final : public backend {
  public:
   explicit cpu_backend(const executor_config& c)
@@ -72,6 +74,11 @@ class cpu_backend final : public backend {
     if (c.tensor_parallel > 1) {
       tp_ = std::make_unique<engine::tp_cpu_forward>(*c.model, c.tensor_parallel, c.kv, c.n_device_blocks, n_host,
                                                      std::max(1, c.n_threads / c.tensor_parallel));
+      return;
+    }
+    if (c.pipeline_parallel > 1) {
+      pp_ = std::make_unique<engine::pp_cpu_forward>(*c.model, c.pipeline_parallel, c.kv, c.n_device_blocks, n_host,
+                                                     std::max(1, c.n_threads / c.pipeline_parallel));
       return;
     }
     pool_ = std::make_unique<kernels::thread_pool>(c.n_threads);
@@ -93,10 +100,11 @@ class cpu_backend final : public backend {
       }
     };
     if (tp_) tp_->for_each_kv(copy);
+    else if (pp_) pp_->for_each_kv(copy);
     else copy(*device_, *host_);
   }
   const std::vector<float>& forward(std::span<const engine::seq_chunk> batch) override {
-    return tp_ ? tp_->forward(batch) : fwd_->forward(batch);
+    return tp_ ? tp_->forward(batch) : pp_ ? pp_->forward(batch) : fwd_->forward(batch);
   }
 
   // Tests (emulate_device_sampling): the device path's contract, sampled by the host sampler with
@@ -122,6 +130,7 @@ class cpu_backend final : public backend {
   std::unique_ptr<engine::kv_storage> device_, host_;
   std::unique_ptr<engine::cpu_forward> fwd_;
   std::unique_ptr<engine::tp_cpu_forward> tp_;
+  std::unique_ptr<engine::pp_cpu_forward> pp_;
 };
 
 // A CUDA device, through the module (engine/device_module.hpp): weights, KV pool and pinned host

@@ -89,6 +89,7 @@ struct executor_config {
   int32_t n_device_blocks = 0, n_host_blocks = 0;
   int cuda_device = -1;  // -1: the CPU backend; else the CUDA device index (a build with CUDA)
   int tensor_parallel = 1;  // CPU: ranks the forward is split over (n_threads shared among them)
+  int pipeline_parallel = 1;  // CPU: stages the layers are split over (n_threads shared among them)
   // The scheduler's limits, which size a device backend's step buffers: tokens and sequences per
   // step, positions per sequence.
   int32_t max_batch_tokens = 256, max_seqs = 64;

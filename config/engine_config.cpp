@@ -18,6 +18,9 @@ std::string validate(const engine_config& c) {
   if (c.n_batch < 1 || c.n_batch > 65536) return "--batch-size must be in [1, 65536], got " + std::to_string(c.n_batch);
   if (c.tensor_parallel < 1 || c.tensor_parallel > 64)
     return "--tensor-parallel must be in [1, 64], got " + std::to_string(c.tensor_parallel);
+  if (c.pipeline_parallel < 1 || c.pipeline_parallel > 64)
+    return "--pipeline-parallel must be in [1, 64], got " + std::to_string(c.pipeline_parallel);
+  if (c.tensor_parallel > 1 && c.pipeline_parallel > 1) return "--tensor-parallel and --pipeline-parallel cannot be combined yet";
   if (c.max_kv_bytes < (1 << 20)) return "--max-kv-bytes must be at least 1 MiB";
   try {
     parse_device(c.device);

@@ -15,6 +15,7 @@ struct engine_config {
   int n_batch = 256;        // max tokens per forward step (prefill chunk size); perf.md 2d
   int64_t max_kv_bytes = 1LL << 30;  // cap on the KV cache allocation
   int tensor_parallel = 1;  // ranks the model is split over (heads, feed-forward columns); CPU: threads are shared among them
+  int pipeline_parallel = 1;  // stages the layers are split over (micro-batches flow through them); CPU: threads shared
   std::string device = "cpu";  // the executor's device: "cpu", or "cuda" / "cuda:N" (builds with CUDA)
 };
 

@@ -127,6 +127,7 @@ const std::vector<key_spec>& keys() {
       {"engine", "kv_block_size", engine_int_key(&engine_config::kv_block_size)},
       {"engine", "batch_size", engine_int_key(&engine_config::n_batch)},
       {"engine", "tensor_parallel", engine_int_key(&engine_config::tensor_parallel)},
+      {"engine", "pipeline_parallel", engine_int_key(&engine_config::pipeline_parallel)},
       {"engine", "kv_mb", int_key(&server_config::kv_mb)},
       {"engine", "chat_template", string_key(&server_config::chat_template)},
       {"engine", "device",
@@ -254,6 +255,10 @@ std::string validate(const server_config& c) {
   if (e.n_batch < 1 || e.n_batch > 65536) return range_error("engine.batch_size", "--batch-size", "in [1, 65536]", std::to_string(e.n_batch));
   if (e.tensor_parallel < 1 || e.tensor_parallel > 64)
     return range_error("engine.tensor_parallel", "--tensor-parallel", "in [1, 64]", std::to_string(e.tensor_parallel));
+  if (e.pipeline_parallel < 1 || e.pipeline_parallel > 64)
+    return range_error("engine.pipeline_parallel", "--pipeline-parallel", "in [1, 64]", std::to_string(e.pipeline_parallel));
+  if (e.tensor_parallel > 1 && e.pipeline_parallel > 1)
+    return "engine.tensor_parallel and engine.pipeline_parallel (--tensor-parallel, --pipeline-parallel) cannot both be > 1 yet";
   try {
     parse_device(e.device);
   } catch (const std::invalid_argument&) {
@@ -334,7 +339,7 @@ std::string describe(const server_config& c) {
     << "\nretry_s = " << num(c.replica_retry_s) << "\ntimeout_s = " << num(c.replica_timeout_s) << "\n"
     << "[engine]\n"
     << "model = " << quote(e.model_path) << "\nthreads = " << e.n_threads << "\nctx_size = " << e.n_ctx
-    << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\ntensor_parallel = " << e.tensor_parallel << "\nkv_mb = " << c.kv_mb
+    << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\ntensor_parallel = " << e.tensor_parallel << "\npipeline_parallel = " << e.pipeline_parallel << "\nkv_mb = " << c.kv_mb
     << "\ndevice = " << quote(e.device) << "\nchat_template = " << quote(c.chat_template) << "\n"
     << "[scheduler]\n"
     << "max_num_seqs = " << c.max_num_seqs << "\nmax_waiting = " << c.max_waiting << "\nmax_waiting_tokens = " << c.max_waiting_tokens

@@ -15,13 +15,23 @@ namespace troupe::engine {
 
 using kernels::thread_pool;
 
-cpu_forward::cpu_forward(const model& m, kv_storage& kv, thread_pool& pool, const model_shard* shard, communicator* comm)
-    : m_(m), shard_(shard), comm_(comm), hp_(shard ? shard->hp : m.hparams()), kv_(kv), pool_(pool) {
-  if ((shard == nullptr) != (comm == nullptr) || (shard && (shard->rank != comm->rank() || shard->n_ranks != comm->size())))
+cpu_forward::cpu_forward(const model& m, kv_storage& kv, thread_pool& pool, forward_part p)
+    : m_(m),
+      shard_(p.shard),
+      comm_(p.comm),
+      layer_begin_(p.layer_begin),
+      layer_end_(p.layer_end < 0 ? m.hparams().n_layers : p.layer_end),
+      hp_(p.shard ? p.shard->hp : m.hparams()),
+      kv_(kv),
+      pool_(pool) {
+  if ((p.shard == nullptr) != (p.comm == nullptr) || (p.shard && (p.shard->rank != p.comm->rank() || p.shard->n_ranks != p.comm->size())))
     throw std::invalid_argument("cpu_forward: a shard needs the communicator of its rank");
+  if (layer_begin_ < 0 || layer_begin_ >= layer_end_ || layer_end_ > m.hparams().n_layers)
+    throw std::invalid_argument("cpu_forward: layers [" + std::to_string(layer_begin_) + ", " + std::to_string(layer_end_) +
+                                ") are not a range of the model's " + std::to_string(m.hparams().n_layers));
   const auto& hp = hp_;
   const auto& s = kv.shape();
-  if (s.n_layers != hp.n_layers || s.n_kv_heads != hp.n_kv_heads || s.head_dim != hp.head_dim)
+  if (s.n_layers != layer_end_ - layer_begin_ || s.n_kv_heads != hp.n_kv_heads || s.head_dim != hp.head_dim)
     throw std::invalid_argument("cpu_forward: KV storage shape does not match the model");
 }
 
@@ -121,7 +131,7 @@ void cpu_forward::post_norm(const std::vector<float>& w, int64_t n) {
   });
 }
 
-const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch) {
+const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch, std::vector<float>* hidden) {
   validate_batch(batch, hp_.n_vocab, kv_.shape().block_size, kv_.n_blocks());
   const auto& hp = hp_;
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim, kvd = (int64_t)hp.n_kv_heads * hp.head_dim;
@@ -141,7 +151,12 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
   plan_attention(n, 0, full_);
   if (hp.sliding_window > 0) plan_attention(n, hp.sliding_window, window_);
 
-  // Embeddings (Gemma: times sqrt(d_model)) and RoPE angles (sliding-window layers: their own base).
+  // Embeddings (Gemma: times sqrt(d_model)), or a pipeline stage's input rows; RoPE angles
+  // (sliding-window layers: their own base).
+  const bool embed = layer_begin_ == 0, last = layer_end_ == m_.hparams().n_layers;
+  if (!embed && (!hidden || (int64_t)hidden->size() != n * d))
+    throw std::invalid_argument("forward: a stage after the first needs the batch's " + std::to_string(n) + " hidden rows");
+  if (!embed) std::copy(hidden->begin(), hidden->end(), x_.begin());
   const auto& emb = m_.token_embd();
   const float* freq = m_.rope_freq_factors().empty() ? nullptr : m_.rope_freq_factors().data();
   const float embd_scale = hp.gemma ? std::sqrt((float)d) : 1.0f;
@@ -150,9 +165,11 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
       const auto [ci, j] = row_seq_[(size_t)r];
       const token_id t = batch[(size_t)ci].tokens[(size_t)j];
       float* x = &x_[(size_t)(r * d)];
-      kernels::dequantize_row(emb.type, (const uint8_t*)emb.data + (size_t)t * emb.row_stride, x, d);
-      if (embd_scale != 1.0f)
-        for (int64_t i = 0; i < d; ++i) x[i] *= embd_scale;
+      if (embed) {
+        kernels::dequantize_row(emb.type, (const uint8_t*)emb.data + (size_t)t * emb.row_stride, x, d);
+        if (embd_scale != 1.0f)
+          for (int64_t i = 0; i < d; ++i) x[i] *= embd_scale;
+      }
       kernels::rope_cos_sin(pos_[(size_t)r], hp.n_rot, hp.rope_base, freq, &cos_sin_[(size_t)(r * hp.n_rot)]);
       if (hp.sliding_window > 0)
         kernels::rope_cos_sin(pos_[(size_t)r], hp.n_rot, hp.rope_base_swa, freq, &cos_sin_swa_[(size_t)(r * hp.n_rot)]);
@@ -160,9 +177,9 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
   });
 
   const float attn_scale = hp.attn_scale > 0 ? hp.attn_scale : 1.0f / std::sqrt((float)hp.head_dim);
-  for (int il = 0; il < hp.n_layers; ++il) {
+  for (int il = layer_begin_; il < layer_end_; ++il) {
     const layer_weights& L = layer(il);
-    const kernels::kv_layer_view kv = kv_.layer(il);
+    const kernels::kv_layer_view kv = kv_.layer(il - layer_begin_);
     const attn_plan& plan = L.sliding ? window_ : full_;
     const std::vector<float>& cos_sin = L.sliding ? cos_sin_swa_ : cos_sin_;
 
@@ -238,6 +255,13 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch)
     for (int64_t i = 0; i < n * d; ++i) x_[(size_t)i] += h_[(size_t)i];
   }
 
+  // A stage before the last hands its rows on.
+  if (!last) {
+    if (!hidden) throw std::invalid_argument("forward: a stage before the last needs somewhere to put its hidden rows");
+    hidden->assign(x_.begin(), x_.begin() + n * d);
+    logits_.clear();
+    return logits_;
+  }
   // Output rows: every row of all_logits chunks, else each chunk's last row (rank 0 of a group only).
   if (comm_ && comm_->rank() != 0) {
     logits_.clear();

@@ -34,25 +34,38 @@ struct seq_chunk {
 /// naming the chunk, token or block.
 void validate_batch(std::span<const seq_chunk> batch, int n_vocab, int block_size, int32_t n_blocks);
 
+/// What part of the model this forward runs (default: all of it).
+struct forward_part {
+  /// One rank of a tensor-parallel group (engine/tensor_parallel.hpp): its share of the heads
+  /// and feed-forward columns over `kv` (its KV heads), the partial sums completed by comm's
+  /// all-reduce. Only rank 0 computes logits (the others return none). Both outlive the forward.
+  const model_shard* shard = nullptr;
+  communicator* comm = nullptr;
+  /// One pipeline stage (engine/pipeline_parallel.hpp): layers [layer_begin, layer_end) over
+  /// `kv` holding those layers only (-1: to the last layer).
+  int layer_begin = 0, layer_end = -1;
+};
+
 class cpu_forward {
  public:
   /// Positions per part of a row's attention (the parts are merged; see plan_attention).
   static constexpr int64_t attention_part_positions = 256;
 
-  /// With `shard` and `comm` (engine/tensor_parallel.hpp): one rank of a tensor-parallel group,
-  /// running its share of the heads and feed-forward columns over `kv` (its KV heads), the
-  /// partial sums completed by comm's all-reduce. Only rank 0 computes logits (the others return
-  /// none). `shard` and `comm` outlive the forward.
-  cpu_forward(const model& m, kv_storage& kv, kernels::thread_pool& pool, const model_shard* shard = nullptr,
-              communicator* comm = nullptr);
+  cpu_forward(const model& m, kv_storage& kv, kernels::thread_pool& pool, forward_part p = {});
 
   /// Runs one step. Returns the logits rows, n_vocab floats each, in batch order: every token of
   /// a chunk with all_logits, none for a chunk with no_logits, else its last token. The KV of every token is written to the cache.
   /// Throws std::invalid_argument (nothing written) when a token id is out of range or a block
   /// table does not cover its positions.
-  const std::vector<float>& forward(std::span<const seq_chunk> batch);
+  const std::vector<float>& forward(std::span<const seq_chunk> batch) { return forward(batch, nullptr); }
+  /// A pipeline stage's step: `hidden` holds the batch's token rows (d_model floats each, in batch
+  /// order); a stage that does not start at layer 0 reads them instead of embedding the tokens,
+  /// one that does not end at the last layer writes its output rows there (and returns no logits).
+  const std::vector<float>& forward(std::span<const seq_chunk> batch, std::vector<float>* hidden);
   /// The logits of the last forward.
   const std::vector<float>& logits() const { return logits_; }
+  /// The hyperparameters it runs with (a shard's heads and feed-forward width).
+  const model_hparams& hparams() const { return hp_; }
 
  private:
   void resize(int64_t n_tokens);
@@ -65,6 +78,7 @@ class cpu_forward {
   const model& m_;
   const model_shard* shard_;
   communicator* comm_;
+  int layer_begin_, layer_end_;
   const model_hparams& hp_;  // the model's, or the shard's (its heads and feed-forward width)
   kv_storage& kv_;
   kernels::thread_pool& pool_;

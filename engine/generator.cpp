@@ -37,8 +37,11 @@ const char* to_string(finish_reason r) {
 generator::generator(const model& m, const generator_options& opt)
     : m_(m), opt_(opt), n_ctx_(opt.n_ctx > 0 ? opt.n_ctx : m.hparams().n_ctx_train),
       pool_(std::make_unique<kernels::thread_pool>(opt.n_threads < 1 ? 1 : opt.n_threads)) {
+  if (opt.tensor_parallel > 1 && opt.pipeline_parallel > 1)
+    throw std::invalid_argument("tensor and pipeline parallelism cannot be combined yet");
   if (opt.tensor_parallel > 1)
     if (std::string err = tensor_parallel_error(m, opt.tensor_parallel); !err.empty()) throw std::invalid_argument(err);
+  if (opt.pipeline_parallel > 1) split_layers(m.hparams().n_layers, opt.pipeline_parallel);  // throws when it does not split
 }
 
 generator::~generator() = default;
@@ -47,12 +50,16 @@ void generator::ensure_kv(int64_t n_blocks) {
   if (kv_blocks_ >= n_blocks) return;
   fwd_.reset();
   tp_.reset();
+  pp_.reset();
   kv_.reset();
   const auto& hp = m_.hparams();
   kv_shape shape{hp.n_layers, hp.n_kv_heads, hp.head_dim, opt_.block_size};
   if (opt_.tensor_parallel > 1) {
     const int per_rank = std::max(1, opt_.n_threads / opt_.tensor_parallel);
     tp_ = std::make_unique<tp_cpu_forward>(m_, opt_.tensor_parallel, shape, (int32_t)n_blocks, 1, per_rank);
+  } else if (opt_.pipeline_parallel > 1) {
+    const int per_stage = std::max(1, opt_.n_threads / opt_.pipeline_parallel);
+    pp_ = std::make_unique<pp_cpu_forward>(m_, opt_.pipeline_parallel, shape, (int32_t)n_blocks, 1, per_stage);
   } else {
     kv_ = std::make_unique<kv_storage>(shape, (int32_t)n_blocks);
     fwd_ = std::make_unique<cpu_forward>(m_, *kv_, *pool_);
@@ -61,7 +68,7 @@ void generator::ensure_kv(int64_t n_blocks) {
 }
 
 const std::vector<float>& generator::forward(std::span<const seq_chunk> batch) {
-  return tp_ ? tp_->forward(batch) : fwd_->forward(batch);
+  return tp_ ? tp_->forward(batch) : pp_ ? pp_->forward(batch) : fwd_->forward(batch);
 }
 
 std::vector<float> generator::logits_all(std::span<const token_id> tokens) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "engine/forward.hpp"
+#include "engine/pipeline_parallel.hpp"
 #include "engine/tensor_parallel.hpp"
 #include "engine/kv_cache.hpp"
 #include "engine/model.hpp"
@@ -47,6 +48,7 @@ struct generator_options {
   int block_size = 16;
   int n_batch = 512;    // max tokens per step
   int tensor_parallel = 1;  // > 1: the forward split over this many ranks (engine/tensor_parallel.hpp), threads shared
+  int pipeline_parallel = 1;  // > 1: the layers split over this many stages (engine/pipeline_parallel.hpp), threads shared
 };
 
 class generator {
@@ -79,6 +81,7 @@ class generator {
   std::unique_ptr<kv_storage> kv_;
   std::unique_ptr<cpu_forward> fwd_;
   std::unique_ptr<tp_cpu_forward> tp_;  // instead of fwd_ with tensor_parallel > 1
+  std::unique_ptr<pp_cpu_forward> pp_;  // instead of fwd_ with pipeline_parallel > 1
   int64_t kv_blocks_ = 0;               // blocks of the KV cache built
   const std::vector<float>& forward(std::span<const seq_chunk> batch);
 };

@@ -109,7 +109,7 @@ struct tp_cpu_forward::rank_state {
         pool(threads),
         device(shard_kv_shape(full, n), n_blocks),
         host(shard_kv_shape(full, n), std::max(n_host, 1)),
-        fwd(m, device, pool, &shard, &comm) {}
+        fwd(m, device, pool, {&shard, &comm}) {}
 };
 
 tp_cpu_forward::tp_cpu_forward(const model& m, int n, const kv_shape& full, int32_t n_blocks, int32_t n_host_blocks, int threads_per_rank)

@@ -80,6 +80,8 @@ int run_load_bench(const load_opts& o) {
   eo.sched.plan_ahead = o.plan_ahead;
   eo.sched.target_itl_ms = o.target_itl_ms;
   eo.cuda_device = config::parse_device(ec.device);
+  eo.tensor_parallel = ec.tensor_parallel;
+  eo.pipeline_parallel = ec.pipeline_parallel;
   const int n_vocab = probe->vocab().n_vocab();
   const size_t weight_bytes = probe->weight_bytes_per_token();
   int64_t n_params = probe->output().n_in * probe->output().n_out;

@@ -183,6 +183,32 @@ TEST_CASE("tensor parallel over 3 ranks: batched, swapped out and back, outputs 
   REQUIRE_THROWS_WITH(actors::engine_handle::start(o), Catch::Contains("9 attention heads does not split into 2"));
 }
 
+TEST_CASE("pipeline parallel over 3 stages: batched, swapped out and back, outputs equal one stage's", "[actors][model][pp]") {
+  std::vector<actors::generation_params> ps;
+  for (int i = 0; i < 6; ++i) ps.push_back(greedy(prompts[i], 24));
+  std::vector<std::vector<engine::token_id>> ref;
+  for (const auto& p : ps) ref.push_back(alone(p));  // the staged forward's logits are bit-identical
+  auto o = options();
+  o.pipeline_parallel = 3;
+  o.n_device_blocks = 9;  // sequences are swapped to every stage's host pool and back
+  o.n_host_blocks = 64;
+  o.sched.preemption = actors::preemption_mode::swap;
+  o.sched.kv_watermark_blocks = 0;
+  auto eng = actors::engine_handle::start(o);
+  std::vector<std::shared_ptr<actors::generation_stream>> ss;
+  for (const auto& p : ps) ss.push_back(eng->submit(p));
+  for (size_t i = 0; i < ss.size(); ++i) {
+    auto out = drain(*ss[i]);
+    REQUIRE(out.final.type == actors::stream_event::kind::done);
+    CHECK(out.tokens == ref[i]);
+  }
+  CHECK(eng->stats().sched.n_preempted_swap > 0);
+  require_no_leak(*eng);
+
+  o.pipeline_parallel = 31;  // more stages than the model's 30 layers: refused at start
+  REQUIRE_THROWS_WITH(actors::engine_handle::start(o), Catch::Contains("30 layers do not split into 31 pipeline stages"));
+}
+
 TEST_CASE("seeded sampling gives the same tokens with and without preemption or pipelining", "[actors][model]") {
   std::vector<actors::generation_params> ps;
   for (int i = 0; i < 6; ++i) {

@@ -188,8 +188,9 @@ def test_tiny_logits_tensor_parallel(tiny_dir, name, ranks, tmp_path):
 # ---- the default model ------------------------------------------------------------------------
 
 # Tensor parallelism (engine/tensor_parallel.hpp) is checked against the same reference with the
-# same bounds: the default model's 9 heads, 3 KV heads and 1536 feed-forward columns split in 3.
-TP = {"1 rank": (), "3 ranks": ("--tensor-parallel", "3")}
+# same bounds: the default model's 9 heads, 3 KV heads and 1536 feed-forward columns split in 3;
+# so is pipeline parallelism (engine/pipeline_parallel.hpp): 30 layers in 4 stages.
+TP = {"1 rank": (), "3 ranks": ("--tensor-parallel", "3"), "4 stages": ("--pipeline-parallel", "4")}
 
 
 @pytest.mark.parametrize("tp", list(TP))

@@ -1,5 +1,6 @@
-// Tensor parallelism on the CPU: the in-process communicator, and the sharded forward against the
-// unsharded one (the reference: the same model, the same steps, one rank).
+// Tensor and pipeline parallelism on the CPU: the in-process communicator, the sharded forward and
+// the staged forward against the whole one (the reference: the same model, the same steps, one
+// rank or stage).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <random>
 #include <thread>
 
+#include "engine/pipeline_parallel.hpp"
 #include "engine/tensor_parallel.hpp"
 #include "kernels/thread_pool.hpp"
 
@@ -176,4 +178,94 @@ TEST_CASE("tensor parallel: a bad batch is refused before the ranks run, and the
   const token_id good[1] = {1};
   c.tokens = std::span(good);
   REQUIRE(fwd.forward(std::span(&c, 1)).size() == (size_t)hp.n_vocab);
+}
+
+// --- pipeline parallel ---------------------------------------------------------------------------
+
+namespace {
+
+std::vector<std::vector<float>> staged(const model& m, int n_stages, int micro_batches, int32_t n_blocks) {
+  const auto& hp = m.hparams();
+  pp_cpu_forward fwd(m, n_stages, {hp.n_layers, hp.n_kv_heads, hp.head_dim, 16}, n_blocks, 1, 1, micro_batches);
+  return run_steps(fwd, hp.n_vocab);
+}
+
+bool bit_identical(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t s = 0; s < a.size(); ++s)
+    if (a[s].size() != b[s].size() || std::memcmp(a[s].data(), b[s].data(), a[s].size() * sizeof(float)) != 0) return false;
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("split_layers: consecutive ranges, the remainder to the first stages", "[engine][pp]") {
+  using r = std::vector<std::pair<int, int>>;
+  CHECK(split_layers(30, 4) == r{{0, 8}, {8, 16}, {16, 23}, {23, 30}});
+  CHECK(split_layers(2, 2) == r{{0, 1}, {1, 2}});
+  CHECK(split_layers(5, 1) == r{{0, 5}});
+  CHECK_THROWS_WITH(split_layers(2, 3), Catch::Contains("2 layers do not split into 3 pipeline stages"));
+  CHECK_THROWS_AS(split_layers(2, 0), std::invalid_argument);
+}
+
+TEST_CASE("split_micro_batches: pieces in order, positions continued, the same logits rows", "[engine][pp]") {
+  std::vector<token_id> a(37), b(1), c(20);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = (token_id)i;
+  const std::vector<int32_t> table = {0, 1, 2};
+  const std::vector<seq_chunk> batch = {{a, 5, table}, {b, 40, table}, {c, 0, table, true}};
+  for (int n : {1, 2, 3, 4, 7, 58, 100}) {
+    INFO("micro-batches " << n);
+    const auto mbs = split_micro_batches(batch, n);
+    CHECK((int)mbs.size() <= std::max(1, n));
+    std::vector<seq_chunk> flat;
+    for (const auto& mb : mbs) {
+      CHECK(!mb.empty());
+      flat.insert(flat.end(), mb.begin(), mb.end());
+    }
+    // Pieces of each chunk: its tokens in order, positions continuing, logits where the chunk wants them.
+    size_t k = 0;
+    int64_t rows = 0;
+    for (const seq_chunk& orig : batch) {
+      size_t off = 0;
+      while (off < orig.tokens.size()) {
+        REQUIRE(k < flat.size());
+        const seq_chunk& p = flat[k++];
+        CHECK(p.tokens.data() == orig.tokens.data() + off);
+        CHECK(p.pos0 == orig.pos0 + (int64_t)off);
+        off += p.tokens.size();
+        const bool final_piece = off == orig.tokens.size();
+        CHECK(p.all_logits == orig.all_logits);
+        CHECK(p.no_logits == (final_piece ? orig.no_logits : !orig.all_logits));
+        rows += p.no_logits ? 0 : p.all_logits ? (int64_t)p.tokens.size() : 1;
+      }
+      CHECK(off == orig.tokens.size());
+    }
+    CHECK(k == flat.size());
+    CHECK(rows == 1 + 1 + 20);
+  }
+}
+
+TEST_CASE("pipeline parallel: 2, 3 and 5 stages, 1 to 4 micro-batches, logits bit-identical to one stage", "[engine][pp][model]") {
+  auto m = load("models/default.gguf");
+  const auto ref = unsharded(*m, 8);
+  for (auto [stages, mbs] : {std::pair{2, 1}, std::pair{2, 2}, std::pair{3, 3}, std::pair{3, 4}, std::pair{5, 2}}) {
+    INFO(stages << " stages, " << mbs << " micro-batches");
+    CHECK(bit_identical(staged(*m, stages, mbs, 8), ref));
+  }
+  auto f = load("tests/fixtures/generated/llama_f32_hd64.gguf");  // 2 layers: one per stage
+  CHECK(bit_identical(staged(*f, 2, 3, 8), unsharded(*f, 8)));
+}
+
+TEST_CASE("pipeline parallel: a bad batch is refused before the stages run, and they stay usable", "[engine][pp]") {
+  auto m = load("tests/fixtures/generated/llama_f32_hd64.gguf");
+  const auto& hp = m->hparams();
+  pp_cpu_forward fwd(*m, 2, {hp.n_layers, hp.n_kv_heads, hp.head_dim, 16}, 4, 1, 1);
+  const token_id bad[1] = {hp.n_vocab};
+  const int32_t table[1] = {0};
+  seq_chunk c{std::span(bad), 0, std::span(table)};
+  REQUIRE_THROWS_AS(fwd.forward(std::span(&c, 1)), std::invalid_argument);
+  const token_id good[2] = {1, 2};
+  c.tokens = std::span(good);
+  REQUIRE(fwd.forward(std::span(&c, 1)).size() == (size_t)hp.n_vocab);
+  CHECK_THROWS_AS(pp_cpu_forward(*m, 3, {hp.n_layers, hp.n_kv_heads, hp.head_dim, 16}, 4, 1, 1), std::invalid_argument);
 }
