@@ -207,7 +207,12 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
     if (!err.empty()) throw std::runtime_error(err);
   }
   impl& im = *h->impl_;
-  im.router = std::make_shared<replica_router>(im.scheduler);
+  routing_options ro;
+  ro.prefix = o.replica_prefix_routing;
+  ro.max_imbalance = o.replica_max_imbalance;
+  ro.affinity_blocks = (size_t)std::max<int64_t>(1, o.replica_affinity_blocks);
+  ro.block_size = o.kv_block_size;
+  im.router = std::make_shared<replica_router>(im.scheduler, ro);
   if (o.publish_port >= 0) {
     // reuse_addr: a replica restarted on its port binds it despite the last run's connections in
     // TIME_WAIT (Linux still refuses a second listener).

@@ -116,6 +116,9 @@ struct engine_options {
   std::vector<std::string> replicas;       // "host:port" of published engines (same model) this one also routes to
   double replica_retry_s = 2;              // an unreachable, lost or mismatched replica is tried again this often
   double replica_timeout_s = 10;           // connecting to a replica and its first answer, at most
+  bool replica_prefix_routing = true;      // prompts sharing a prefix go to the same replica (its KV cached there)
+  int64_t replica_max_imbalance = 4;       // ... unless it has this many more in flight than the least loaded
+  int64_t replica_affinity_blocks = 65536; // prompt prefixes (full KV blocks) the router remembers
   // Tests: the CPU executor takes the path of a device that samples (rows, seeds and penalty
   // windows handed to the backend, tokens back), sampling with the host sampler.
   bool emulate_device_sampling = false;
@@ -144,6 +147,7 @@ struct replica_stats {
   int64_t in_flight = 0;   // generations running or queued there now
   int64_t routed = 0;      // generations sent there since start (a rerouted one counts at each)
   int64_t lost = 0;        // generations that lost it mid-way (the replica died or its connection broke)
+  int64_t prefix_routed = 0;  // of `routed`, sent there for a prompt prefix it had taken before
 };
 
 class engine_handle {

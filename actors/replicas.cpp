@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "actors/runtime.hpp"
+#include "engine/block_manager.hpp"
 
 namespace troupe::actors {
 
@@ -84,7 +85,22 @@ replica_endpoint parse_endpoint(const std::string& text) {
 
 // --- replica_router ------------------------------------------------------------------------------
 
-replica_router::replica_router(caf::actor local) { entries_.push_back({"local", std::move(local), "serving"}); }
+replica_router::replica_router(caf::actor local, routing_options opts) : opts_(opts), affinity_(opts.affinity_blocks) {
+  entries_.push_back({"local", std::move(local), "serving"});
+}
+
+bool replica_router::wants_prefix() const {
+  std::lock_guard lk(mu_);
+  return opts_.prefix && entries_.size() > 1;
+}
+
+std::vector<uint64_t> replica_router::prefix_hashes(std::span<const engine::token_id> prompt) const {
+  std::vector<uint64_t> out;
+  const auto bs = (size_t)opts_.block_size;
+  for (size_t b = 0; (b + 1) * bs <= prompt.size(); ++b)
+    out.push_back(engine::kv_block_hash(out.empty() ? 0 : out.back(), prompt.subspan(b * bs, bs)));
+  return out;
+}
 
 size_t replica_router::add_remote(std::string name) {
   std::lock_guard lk(mu_);
@@ -92,23 +108,33 @@ size_t replica_router::add_remote(std::string name) {
   return entries_.size() - 1;
 }
 
-std::optional<replica_router::choice> replica_router::pick(const std::vector<size_t>& tried) {
+std::optional<replica_router::choice> replica_router::pick(const std::vector<size_t>& tried, std::span<const uint64_t> prefix) {
   std::lock_guard lk(mu_);
   const size_t n = entries_.size();
-  std::optional<size_t> best;
+  auto usable = [&](size_t i) { return entries_[i].scheduler && std::find(tried.begin(), tried.end(), i) == tried.end(); };
+  std::optional<size_t> least;
   // In turn from the one after the last pick, so equally loaded replicas share the work.
   for (size_t k = 0; k < n; ++k) {
     const size_t i = (turn_ + k) % n;
-    const entry& e = entries_[i];
-    if (!e.scheduler || std::find(tried.begin(), tried.end(), i) != tried.end()) continue;
-    if (!best || e.in_flight < entries_[*best].in_flight) best = i;
+    if (usable(i) && (!least || entries_[i].in_flight < entries_[*least].in_flight)) least = i;
   }
-  if (!best) return std::nullopt;
-  entry& e = entries_[*best];
+  if (!least) return std::nullopt;
+  size_t chosen = *least;
+  bool by_prefix = false;
+  if (opts_.prefix && n > 1 && !prefix.empty()) {
+    auto hit = affinity_.find(prefix, usable);
+    if (hit && entries_[hit->first].in_flight <= entries_[*least].in_flight + opts_.max_imbalance) {
+      chosen = hit->first;
+      by_prefix = true;
+    }
+    affinity_.record(prefix, chosen);
+  }
+  entry& e = entries_[chosen];
   ++e.in_flight;
   ++e.routed;
-  turn_ = *best + 1;
-  return choice{*best, e.scheduler};
+  e.prefix_routed += by_prefix;
+  if (!by_prefix) turn_ = chosen + 1;
+  return choice{chosen, e.scheduler};
 }
 
 void replica_router::release(size_t index) {
@@ -122,6 +148,7 @@ void replica_router::lost(size_t index, const caf::actor_addr& which) {
   entry& e = entries_[index];
   ++e.lost;
   if (index != 0 && e.scheduler && e.scheduler.address() == which) {  // not a connection made since
+    affinity_.forget(index);
     e.scheduler = nullptr;
     e.status = "lost";
   }
@@ -135,6 +162,7 @@ void replica_router::set_up(size_t index, caf::actor scheduler) {
 
 void replica_router::set_down(size_t index, std::string status) {
   std::lock_guard lk(mu_);
+  if (entries_.at(index).scheduler) affinity_.forget(index);
   entries_.at(index).scheduler = nullptr;
   entries_.at(index).status = std::move(status);
 }
@@ -147,7 +175,7 @@ std::string replica_router::name(size_t index) const {
 std::vector<replica_stats> replica_router::stats() const {
   std::lock_guard lk(mu_);
   std::vector<replica_stats> out;
-  for (const entry& e : entries_) out.push_back({e.name, (bool)e.scheduler, e.status, e.in_flight, e.routed, e.lost});
+  for (const entry& e : entries_) out.push_back({e.name, (bool)e.scheduler, e.status, e.in_flight, e.routed, e.lost, e.prefix_routed});
   return out;
 }
 

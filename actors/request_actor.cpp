@@ -59,6 +59,9 @@ caf::behavior request_actor(caf::event_based_actor* self, std::shared_ptr<replic
 
   auto finish_with = [=](stream_event ev) {
     st->stream->push(std::move(ev));
+    // A monitor outlives the monitoring actor in CAF 0.17 (it stays attached to the scheduler
+    // until that one dies): drop it, or a long-lived scheduler collects one per request.
+    if (st->scheduler) self->demonitor(st->scheduler);
     self->quit();
   };
   auto cancel_and_finish = [=](stream_event ev) {
@@ -77,6 +80,9 @@ caf::behavior request_actor(caf::event_based_actor* self, std::shared_ptr<replic
     return {};
   }
 
+  // Prefix-aware routing: the chain hashes of the prompt's full blocks (only with remote replicas).
+  auto prefix = std::make_shared<const std::vector<uint64_t>>(router->wants_prefix() ? router->prefix_hashes(params.prompt)
+                                                                                     : std::vector<uint64_t>{});
   auto m = std::make_shared<request_msg>();
   m->spec = {id, std::move(params.prompt), params.max_tokens, params.cls, params.priority, params.queue_timeout_s};
   auto sp = std::make_shared<engine::sampling_params>(params.sampling);
@@ -100,7 +106,7 @@ caf::behavior request_actor(caf::event_based_actor* self, std::shared_ptr<replic
   };
   auto submit = std::make_shared<std::function<void(const std::string&)>>();
   *submit = [=](const std::string& why_moved) {
-    auto c = router->pick(st->tried);
+    auto c = router->pick(st->tried, *prefix);
     if (!c) {
       finish_with(error_event(gen_error::unavailable, why_moved.empty() ? "no replica is serving this model" : why_moved));
       return;

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "actors/engine_handle.hpp"
+#include "actors/prefix_affinity.hpp"
 #include "actors/scheduler_policy.hpp"
 #include "actors/wire.hpp"
 #include "engine/model.hpp"
@@ -123,22 +124,36 @@ caf::actor spawn_scheduler(caf::actor_system& sys, scheduler_config_msg cfg);
 caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor scheduler, executor_config cfg, int max_restarts,
                                double window_s);
 
+/// How generations are spread over the replicas.
+struct routing_options {
+  bool prefix = true;           // prefix-aware: a prompt goes where its longest known prefix went ...
+  int64_t max_imbalance = 4;    // ... unless that replica has more than this many in flight beyond the least loaded
+  size_t affinity_blocks = 65536;  // prefixes (full KV blocks) remembered
+  int block_size = 16;          // positions per KV block: the prefixes' unit
+};
+
 /// Where generations run: the local scheduler (index 0) and the remote replicas, schedulers of
 /// other `troupe serve --publish-port` processes reached through the middleman. Thread-safe: the
 /// engine handle and the request actors pick and release, the replica keeper marks replicas up
-/// and down. Routing: the up replica with the fewest generations in flight, ties in turn.
+/// and down. Routing: the up replica with the fewest generations in flight (ties in turn), or,
+/// prefix-aware, the one that took the prompt's longest known prefix while it is not busier than
+/// that by more than max_imbalance (actors/prefix_affinity.hpp).
 class replica_router {
  public:
   struct choice {
     size_t index = 0;
     caf::actor scheduler;
   };
-  explicit replica_router(caf::actor local);
+  explicit replica_router(caf::actor local, routing_options opts = {});
+  /// Whether pick() uses prompt hashes (prefix routing with some remote replica).
+  bool wants_prefix() const;
+  /// The chain hashes of the prompt's full blocks, for pick().
+  std::vector<uint64_t> prefix_hashes(std::span<const engine::token_id> prompt) const;
   /// Adds a remote replica (down until the keeper connects it); returns its index.
   size_t add_remote(std::string name);
   /// The least loaded up replica not in `tried` (by index), counted as one more in flight; none
   /// when every up replica was tried.
-  std::optional<choice> pick(const std::vector<size_t>& tried);
+  std::optional<choice> pick(const std::vector<size_t>& tried, std::span<const uint64_t> prefix = {});
   /// A generation counted by pick() ended (or moved away).
   void release(size_t index);
   /// A generation lost its replica (the connection or the process died): the replica is down
@@ -155,11 +170,13 @@ class replica_router {
     std::string name;
     caf::actor scheduler;  // null while down
     std::string status;
-    int64_t in_flight = 0, routed = 0, lost = 0;
+    int64_t in_flight = 0, routed = 0, lost = 0, prefix_routed = 0;
   };
+  routing_options opts_;
   mutable std::mutex mu_;
   std::vector<entry> entries_;
   size_t turn_ = 0;
+  prefix_affinity affinity_;
 };
 
 struct replica_endpoint {

@@ -151,6 +151,9 @@ const std::vector<key_spec>& keys() {
       {"replicas", "remote", string_list_key(&server_config::replicas)},
       {"replicas", "retry_s", double_key(&server_config::replica_retry_s)},
       {"replicas", "timeout_s", double_key(&server_config::replica_timeout_s)},
+      {"replicas", "routing", string_key(&server_config::replica_routing)},
+      {"replicas", "max_imbalance", int_key(&server_config::replica_max_imbalance)},
+      {"replicas", "affinity_blocks", int_key(&server_config::replica_affinity_blocks)},
       {"auth", "api_keys", string_list_key(&server_config::api_keys)},
       {"auth", "admin_api_keys", string_list_key(&server_config::admin_api_keys)},
   };
@@ -298,6 +301,12 @@ std::string validate(const server_config& c) {
     return range_error("replicas.retry_s", "--replica-retry-s", "> 0", num(c.replica_retry_s));
   if (!(c.replica_timeout_s > 0) || !std::isfinite(c.replica_timeout_s))
     return range_error("replicas.timeout_s", "--replica-timeout-s", "> 0", num(c.replica_timeout_s));
+  if (c.replica_routing != "prefix" && c.replica_routing != "least_loaded")
+    return range_error("replicas.routing", "--replica-routing", "\"prefix\" or \"least_loaded\"", "\"" + c.replica_routing + "\"");
+  if (c.replica_max_imbalance < 0 || c.replica_max_imbalance > 1000000)
+    return range_error("replicas.max_imbalance", "--replica-max-imbalance", "in [0, 1000000]", std::to_string(c.replica_max_imbalance));
+  if (c.replica_affinity_blocks < 1 || c.replica_affinity_blocks > (int64_t(1) << 26))
+    return range_error("replicas.affinity_blocks", "--replica-affinity-blocks", "in [1, 67108864]", std::to_string(c.replica_affinity_blocks));
 
   for (const auto* list : {&c.api_keys, &c.admin_api_keys})
     for (const std::string& k : *list) {
@@ -336,7 +345,9 @@ std::string describe(const server_config& c) {
     << "\nmax_models = " << c.max_models << "\n"
     << "[replicas]\n"
     << "publish_port = " << c.publish_port << "\npublish_host = " << quote(c.publish_host) << "\nremote = " << list(c.replicas)
-    << "\nretry_s = " << num(c.replica_retry_s) << "\ntimeout_s = " << num(c.replica_timeout_s) << "\n"
+    << "\nretry_s = " << num(c.replica_retry_s) << "\ntimeout_s = " << num(c.replica_timeout_s)
+    << "\nrouting = " << quote(c.replica_routing) << "\nmax_imbalance = " << c.replica_max_imbalance
+    << "\naffinity_blocks = " << c.replica_affinity_blocks << "\n"
     << "[engine]\n"
     << "model = " << quote(e.model_path) << "\nthreads = " << e.n_threads << "\nctx_size = " << e.n_ctx
     << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\ntensor_parallel = " << e.tensor_parallel << "\npipeline_parallel = " << e.pipeline_parallel << "\nkv_mb = " << c.kv_mb

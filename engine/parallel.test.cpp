@@ -167,19 +167,6 @@ TEST_CASE("tensor parallel: shapes that do not split are refused with the reason
   CHECK_THROWS_AS(tp_cpu_forward(*q4k, 2, {hp.n_layers, hp.n_kv_heads, hp.head_dim, 16}, 4, 1, 1), std::invalid_argument);
 }
 
-TEST_CASE("tensor parallel: a bad batch is refused before the ranks run, and the group stays usable", "[engine][tp]") {
-  auto m = load("tests/fixtures/generated/llama_f32_hd64.gguf");
-  const auto& hp = m->hparams();
-  tp_cpu_forward fwd(*m, 2, {hp.n_layers, hp.n_kv_heads, hp.head_dim, 16}, 4, 1, 1);
-  const token_id bad[1] = {hp.n_vocab};
-  const int32_t table[1] = {0};
-  seq_chunk c{std::span(bad), 0, std::span(table)};
-  REQUIRE_THROWS_AS(fwd.forward(std::span(&c, 1)), std::invalid_argument);
-  const token_id good[1] = {1};
-  c.tokens = std::span(good);
-  REQUIRE(fwd.forward(std::span(&c, 1)).size() == (size_t)hp.n_vocab);
-}
-
 // --- pipeline parallel ---------------------------------------------------------------------------
 
 namespace {
@@ -256,16 +243,22 @@ TEST_CASE("pipeline parallel: 2, 3 and 5 stages, 1 to 4 micro-batches, logits bi
   CHECK(bit_identical(staged(*f, 2, 3, 8), unsharded(*f, 8)));
 }
 
-TEST_CASE("pipeline parallel: a bad batch is refused before the stages run, and they stay usable", "[engine][pp]") {
+TEST_CASE("tensor and pipeline parallel: a bad batch is refused before the ranks or stages run, and they stay usable", "[engine][tp][pp]") {
   auto m = load("tests/fixtures/generated/llama_f32_hd64.gguf");
   const auto& hp = m->hparams();
-  pp_cpu_forward fwd(*m, 2, {hp.n_layers, hp.n_kv_heads, hp.head_dim, 16}, 4, 1, 1);
-  const token_id bad[1] = {hp.n_vocab};
-  const int32_t table[1] = {0};
-  seq_chunk c{std::span(bad), 0, std::span(table)};
-  REQUIRE_THROWS_AS(fwd.forward(std::span(&c, 1)), std::invalid_argument);
-  const token_id good[2] = {1, 2};
-  c.tokens = std::span(good);
-  REQUIRE(fwd.forward(std::span(&c, 1)).size() == (size_t)hp.n_vocab);
-  CHECK_THROWS_AS(pp_cpu_forward(*m, 3, {hp.n_layers, hp.n_kv_heads, hp.head_dim, 16}, 4, 1, 1), std::invalid_argument);
+  const kv_shape full{hp.n_layers, hp.n_kv_heads, hp.head_dim, 16};
+  auto check = [&](auto& fwd) {
+    const token_id bad[1] = {hp.n_vocab};
+    const int32_t table[1] = {0};
+    seq_chunk c{std::span(bad), 0, std::span(table)};
+    REQUIRE_THROWS_AS(fwd.forward(std::span(&c, 1)), std::invalid_argument);
+    const token_id good[2] = {1, 2};
+    c.tokens = std::span(good);
+    REQUIRE(fwd.forward(std::span(&c, 1)).size() == (size_t)hp.n_vocab);
+  };
+  tp_cpu_forward tp(*m, 2, full, 4, 1, 1);
+  check(tp);
+  pp_cpu_forward pp(*m, 2, full, 4, 1, 1);
+  check(pp);
+  CHECK_THROWS_AS(pp_cpu_forward(*m, 3, full, 4, 1, 1), std::invalid_argument);
 }

@@ -61,6 +61,8 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       field("--max-models", &c::max_models), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
       field("--publish-port", &c::publish_port), field("--publish-host", &c::publish_host), field("--replica", &c::replicas),
       field("--replica-retry-s", &c::replica_retry_s), field("--replica-timeout-s", &c::replica_timeout_s),
+      field("--replica-routing", &c::replica_routing), field("--replica-max-imbalance", &c::replica_max_imbalance),
+      field("--replica-affinity-blocks", &c::replica_affinity_blocks),
   };
   return v;
 }
@@ -169,6 +171,9 @@ int run_serve(serve_opts& o) {
   default_eo.replicas = c.replicas;
   default_eo.replica_retry_s = c.replica_retry_s;
   default_eo.replica_timeout_s = c.replica_timeout_s;
+  default_eo.replica_prefix_routing = c.replica_routing == "prefix";
+  default_eo.replica_max_imbalance = c.replica_max_imbalance;
+  default_eo.replica_affinity_blocks = c.replica_affinity_blocks;
   auto published = std::make_shared<bool>(false);
   auto load_default = [default_eo, load_with, published](const std::string& path) {
     if (default_eo.publish_port >= 0 && *published)
@@ -248,6 +253,14 @@ action add_serve(CLI::App& app) {
   cmd->add_option("--replica-retry-s", f.replica_retry_s, "data parallel: an unreachable, lost or mismatched replica is tried again this often")
       ->capture_default_str();
   cmd->add_option("--replica-timeout-s", f.replica_timeout_s, "data parallel: connecting to a replica and its first answer, at most")
+      ->capture_default_str();
+  cmd->add_option("--replica-routing", f.replica_routing,
+                  "data parallel: prefix (to the replica that took the prompt's longest known prefix) or least_loaded")
+      ->capture_default_str();
+  cmd->add_option("--replica-max-imbalance", f.replica_max_imbalance,
+                  "data parallel: prefix routing yields to the least loaded replica beyond this many more in flight")
+      ->capture_default_str();
+  cmd->add_option("--replica-affinity-blocks", f.replica_affinity_blocks, "data parallel: prompt prefixes (KV blocks) the router remembers")
       ->capture_default_str();
   cmd->add_option("--api-key", f.api_keys, "API key clients send as 'Authorization: Bearer KEY' (repeatable; none: open)");
   cmd->add_option("--admin-api-key", f.admin_api_keys, "key for operator endpoints such as /metrics (repeatable; none: the API keys)");

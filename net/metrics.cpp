@@ -193,6 +193,9 @@ std::string metrics_registry::render(std::span<const model_figures> models) cons
   replica_family("troupe_replica_in_flight", "gauge", "Generations running or queued at the replica.", [](const R& r) { return r.in_flight; });
   replica_family("troupe_replica_routed_total", "counter", "Generations routed to the replica (a moved one counts at each).",
                  [](const R& r) { return r.routed; });
+  replica_family("troupe_replica_prefix_routed_total", "counter",
+                 "Of the routed generations, those sent for a prompt prefix the replica had taken before (prefix routing).",
+                 [](const R& r) { return r.prefix_routed; });
   replica_family("troupe_replica_lost_total", "counter", "Generations whose replica died or disconnected while they ran there.",
                  [](const R& r) { return r.lost; });
   return out;

@@ -124,49 +124,24 @@ TEST_CASE("16 concurrent greedy requests give the outputs each gives alone", "[a
   require_no_leak(*eng);
 }
 
-TEST_CASE("a tiny KV pool forces preemption and the outputs stay identical", "[actors][model]") {
+namespace {
+
+// Six greedy requests through an engine configured by `o`, with a KV pool so small (9 blocks: 144
+// positions for six sequences of up to ~45) that someone must yield, preempted by `mode` (swapped
+// to every rank's or stage's host pool and back, or recomputed): each output must equal
+// `ref_opts`'s generator run alone (the same split, one sequence at a time).
+void check_tiny_pool(actors::engine_options o, const engine::generator_options& ref_opts, actors::preemption_mode mode) {
   std::vector<actors::generation_params> ps;
   for (int i = 0; i < 6; ++i) ps.push_back(greedy(prompts[i], 24));
   std::vector<std::vector<engine::token_id>> ref;
-  for (const auto& p : ps) ref.push_back(alone(p));
-
-  for (auto mode : {actors::preemption_mode::swap, actors::preemption_mode::recompute}) {
-    DYNAMIC_SECTION("mode " << actors::to_string(mode)) {
-      auto o = options();
-      o.n_device_blocks = 9;  // 144 positions for six sequences of up to ~45: someone must yield
-      o.n_host_blocks = 64;
-      o.sched.preemption = mode;
-      o.sched.kv_watermark_blocks = 0;
-      auto eng = actors::engine_handle::start(o);
-      std::vector<std::shared_ptr<actors::generation_stream>> ss;
-      for (const auto& p : ps) ss.push_back(eng->submit(p));
-      for (size_t i = 0; i < ss.size(); ++i) {
-        auto out = drain(*ss[i]);
-        REQUIRE(out.final.type == actors::stream_event::kind::done);
-        CHECK(out.tokens == ref[i]);
-      }
-      const auto st = eng->stats();
-      if (mode == actors::preemption_mode::swap) CHECK(st.sched.n_preempted_swap > 0);
-      else CHECK(st.sched.n_preempted_recompute > 0);
-      require_no_leak(*eng);
-    }
-  }
-}
-
-TEST_CASE("tensor parallel over 3 ranks: batched, swapped out and back, outputs equal the sharded engine alone", "[actors][model][tp]") {
-  std::vector<actors::generation_params> ps;
-  for (int i = 0; i < 6; ++i) ps.push_back(greedy(prompts[i], 24));
-  std::vector<std::vector<engine::token_id>> ref;
-  engine::generator g(plain_model(), {2, 512, 16, 512, 3});
+  engine::generator g(plain_model(), ref_opts);
   for (const auto& p : ps) {
     engine::generation_request r{p.prompt, p.sampling, p.max_tokens};
     ref.push_back(g.run(std::span(&r, 1))[0].tokens);
   }
-  auto o = options();
-  o.tensor_parallel = 3;
-  o.n_device_blocks = 9;  // as above: sequences are swapped to every rank's host pool and back
+  o.n_device_blocks = 9;
   o.n_host_blocks = 64;
-  o.sched.preemption = actors::preemption_mode::swap;
+  o.sched.preemption = mode;
   o.sched.kv_watermark_blocks = 0;
   auto eng = actors::engine_handle::start(o);
   std::vector<std::shared_ptr<actors::generation_stream>> ss;
@@ -176,35 +151,31 @@ TEST_CASE("tensor parallel over 3 ranks: batched, swapped out and back, outputs 
     REQUIRE(out.final.type == actors::stream_event::kind::done);
     CHECK(out.tokens == ref[i]);
   }
-  CHECK(eng->stats().sched.n_preempted_swap > 0);
+  const auto st = eng->stats();
+  if (mode == actors::preemption_mode::swap) CHECK(st.sched.n_preempted_swap > 0);
+  else CHECK(st.sched.n_preempted_recompute > 0);
   require_no_leak(*eng);
+}
 
+}  // namespace
+
+TEST_CASE("a tiny KV pool forces preemption and the outputs stay identical", "[actors][model]") {
+  for (auto mode : {actors::preemption_mode::swap, actors::preemption_mode::recompute})
+    DYNAMIC_SECTION("mode " << actors::to_string(mode)) { check_tiny_pool(options(), {2, 512, 16, 512}, mode); }
+}
+
+TEST_CASE("tensor parallel over 3 ranks: batched, swapped out and back, outputs equal the sharded engine alone", "[actors][model][tp]") {
+  auto o = options();
+  o.tensor_parallel = 3;
+  check_tiny_pool(o, {2, 512, 16, 512, 3}, actors::preemption_mode::swap);
   o.tensor_parallel = 2;  // 9 heads do not split in 2: refused at start with the reason
   REQUIRE_THROWS_WITH(actors::engine_handle::start(o), Catch::Contains("9 attention heads does not split into 2"));
 }
 
 TEST_CASE("pipeline parallel over 3 stages: batched, swapped out and back, outputs equal one stage's", "[actors][model][pp]") {
-  std::vector<actors::generation_params> ps;
-  for (int i = 0; i < 6; ++i) ps.push_back(greedy(prompts[i], 24));
-  std::vector<std::vector<engine::token_id>> ref;
-  for (const auto& p : ps) ref.push_back(alone(p));  // the staged forward's logits are bit-identical
   auto o = options();
   o.pipeline_parallel = 3;
-  o.n_device_blocks = 9;  // sequences are swapped to every stage's host pool and back
-  o.n_host_blocks = 64;
-  o.sched.preemption = actors::preemption_mode::swap;
-  o.sched.kv_watermark_blocks = 0;
-  auto eng = actors::engine_handle::start(o);
-  std::vector<std::shared_ptr<actors::generation_stream>> ss;
-  for (const auto& p : ps) ss.push_back(eng->submit(p));
-  for (size_t i = 0; i < ss.size(); ++i) {
-    auto out = drain(*ss[i]);
-    REQUIRE(out.final.type == actors::stream_event::kind::done);
-    CHECK(out.tokens == ref[i]);
-  }
-  CHECK(eng->stats().sched.n_preempted_swap > 0);
-  require_no_leak(*eng);
-
+  check_tiny_pool(o, {2, 512, 16, 512}, actors::preemption_mode::swap);  // staged logits are bit-identical to one stage's
   o.pipeline_parallel = 31;  // more stages than the model's 30 layers: refused at start
   REQUIRE_THROWS_WITH(actors::engine_handle::start(o), Catch::Contains("30 layers do not split into 31 pipeline stages"));
 }

@@ -341,3 +341,58 @@ def test_bad_replica_options_are_refused():
         s.listen()
         r = subprocess.run([TROUPE, "serve", "--port", "0", "--publish-port", str(busy)], capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and "cannot publish" in r.stderr, r.stderr
+
+
+SYSTEMS = [
+    "You are a careful assistant for a shipping company. Answer questions about parcels, customs forms, "
+    "delivery windows and lost items. Be brief, name the form to use, and never invent tracking numbers. "
+    "Greet the customer by name when they give it.",
+    "You are a tutor for high school chemistry. Explain each step of a calculation, state the units at "
+    "every step, and end with one practice question of the same kind for the student to try alone.",
+    "You translate short English notes into plain French for a hotel front desk. Keep the tone polite, "
+    "keep names and numbers unchanged, and put the translation alone on the first line of the answer.",
+]
+QUESTIONS = ["What should I do first?", "How long does it take?", "Can you give an example?", "What is the most common mistake?"]
+
+
+def hit_tokens(port):
+    return metrics(port)['troupe_prefix_cache_hits_total{model="default"}']
+
+
+@pytest.mark.parametrize("routing", ["prefix", "least_loaded"])
+def test_prefix_routing_keeps_a_shared_prefix_on_one_replica(routing):
+    """Requests sharing a system prompt, one at a time, interleaved across three prompts: prefix
+    routing sends each prompt's followers where its first request went (9 of 12 by prefix, its
+    blocks served from that replica's cache); least-loaded routing alternates, so the cache of the
+    replica a prompt went to first is hit less often."""
+    rport, rhttp = free_port(), free_port()
+    replica = start_replica(rport, rhttp)
+    remote = f"127.0.0.1:{rport}"
+    try:
+        with running_server("--replica", remote, "--replica-routing", routing) as (front, _):
+            wait_for(lambda: replica_series(front, "troupe_replica_up", remote) == 1, 20, "no connection")
+            hits0 = hit_tokens(front) + hit_tokens(rhttp)
+            sent = {}
+            for q in QUESTIONS:
+                for s in SYSTEMS:
+                    st, r = request(front, "POST", "/v1/completions",
+                                    {"prompt": s + "\n\nQuestion: " + q, "max_tokens": 4, "temperature": 0})
+                    assert st == 200, r
+            hits = hit_tokens(front) + hit_tokens(rhttp) - hits0
+            by_prefix = sum(replica_series(front, "troupe_replica_prefix_routed_total", r) for r in ("local", remote))
+            routed = {r: replica_series(front, "troupe_replica_routed_total", r) for r in ("local", remote)}
+            print(f"{routing}: prefix cache hit tokens {hits}, routed {routed}, by prefix {by_prefix}")
+            if routing == "prefix":
+                assert by_prefix == 9, (by_prefix, routed)
+                # Each system prompt is > 2 blocks of 16 tokens: 9 followers hit >= 2 blocks each.
+                assert hits >= 9 * 32, hits
+                assert min(routed.values()) >= 1  # the three prompts did not all land on one side
+                test_prefix_routing_keeps_a_shared_prefix_on_one_replica.prefix_hits = hits
+            else:
+                assert by_prefix == 0
+                assert abs(routed["local"] - routed[remote]) <= 2  # alternating (+ the warm-up on local)
+                prefix_hits = getattr(test_prefix_routing_keeps_a_shared_prefix_on_one_replica, "prefix_hits", None)
+                if prefix_hits is not None:
+                    assert hits < prefix_hits, (hits, prefix_hits)
+    finally:
+        stop(replica)
