@@ -184,7 +184,16 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
 
   p->cfg.set("scheduler.max-threads", 2);  // message handling only: compute runs on the executor's threads
   add_wire_types(p->cfg);
-  if (o.publish_port >= 0 || !endpoints.empty()) p->cfg.load<caf::io::middleman>();
+  if (!(o.replica_heartbeat_s > 0) || !(o.replica_dead_after_s > o.replica_heartbeat_s))
+    throw std::invalid_argument("the replica heartbeat must be > 0 s and shorter than the dead-after time");
+  if (o.publish_port >= 0 || !endpoints.empty()) {
+    p->cfg.load<caf::io::middleman>();
+    // A peer that stops answering (stopped, hung, its machine gone without a FIN) is dropped after
+    // dead_after_s: its proxies die, so monitors fire on both ends as for a closed connection.
+    const auto span = [](double s) { return caf::timespan{(int64_t)(s * 1e9)}; };
+    p->cfg.set("middleman.heartbeat-interval", span(o.replica_heartbeat_s));
+    p->cfg.set("middleman.connection-timeout", span(o.replica_dead_after_s));
+  }
   p->sys = std::make_unique<caf::actor_system>(p->cfg);
   scheduler_config_msg scm{sc, p->model, o.kv_block_size, n_dev, n_host, o.step_timeout_s};
   p->scheduler = spawn_scheduler(*p->sys, scm);
@@ -213,14 +222,12 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   ro.affinity_blocks = (size_t)std::max<int64_t>(1, o.replica_affinity_blocks);
   ro.block_size = o.kv_block_size;
   im.router = std::make_shared<replica_router>(im.scheduler, ro);
-  if (o.publish_port >= 0) {
-    // reuse_addr: a replica restarted on its port binds it despite the last run's connections in
-    // TIME_WAIT (Linux still refuses a second listener).
-    auto port = im.sys->middleman().publish(im.scheduler, (uint16_t)o.publish_port, o.publish_host.c_str(), true);
-    if (!port)
-      throw std::invalid_argument("cannot publish the engine on " + o.publish_host + ":" + std::to_string(o.publish_port) + ": " +
-                                  im.sys->render(port.error()));
-    im.published_port = *port;
+  if (o.publish_port >= 0 && o.publish_at_start) {
+    try {
+      h->publish(o.publish_host, o.publish_port);
+    } catch (const std::runtime_error& e) {
+      throw std::invalid_argument(e.what());
+    }
   }
   if (!endpoints.empty()) {
     for (auto& e : endpoints) e.index = im.router->add_remote(e.host + ":" + std::to_string(e.port));
@@ -285,5 +292,33 @@ const engine::model& engine_handle::model() const { return *impl_->model; }
 std::vector<replica_stats> engine_handle::replicas() const { return impl_->router->stats(); }
 
 int engine_handle::published_port() const { return impl_->published_port; }
+
+int engine_handle::publish(const std::string& host, int port) {
+  caf_thread_release release;
+  if (!impl_->sys->has_middleman()) throw std::runtime_error("this engine was started without publishing (publish_port < 0)");
+  // reuse_addr: a replica restarted on its port (or a reload handing it over) binds it despite the
+  // last connections in TIME_WAIT; Linux still refuses a second listener.
+  auto p = impl_->sys->middleman().publish(impl_->scheduler, (uint16_t)port, host.c_str(), true);
+  if (!p)
+    throw std::runtime_error("cannot publish the engine on " + host + ":" + std::to_string(port) + ": " + impl_->sys->render(p.error()));
+  impl_->published_port = *p;
+  return *p;
+}
+
+void engine_handle::retire_published() {
+  caf_thread_release release;
+  caf::anon_send<caf::message_priority::high>(impl_->scheduler, retire_atom::value);
+  if (impl_->published_port >= 0) impl_->sys->middleman().unpublish(impl_->scheduler, (uint16_t)impl_->published_port);
+  impl_->published_port = -1;
+}
+
+bool engine_handle::busy(std::chrono::milliseconds timeout) {
+  try {
+    const auto s = stats(timeout);
+    return s.n_running > 0 || s.n_waiting > 0;
+  } catch (const std::runtime_error&) {
+    return true;
+  }
+}
 
 }  // namespace troupe::actors

@@ -112,10 +112,13 @@ struct engine_options {
   std::string fail_executor_start;  // tests: building the executor's backend throws this text
   // Data-parallel replicas (CAF middleman, plain TCP: bind and reach them on trusted networks only).
   int publish_port = -1;                   // >= 0: this engine's scheduler is published there for fronts (0: any free port)
+  bool publish_at_start = true;            // false: ready to publish (publish()), e.g. once a reload makes it current
   std::string publish_host = "127.0.0.1";  // the address it is published on
   std::vector<std::string> replicas;       // "host:port" of published engines (same model) this one also routes to
   double replica_retry_s = 2;              // an unreachable, lost or mismatched replica is tried again this often
   double replica_timeout_s = 10;           // connecting to a replica and its first answer, at most
+  double replica_heartbeat_s = 1;          // both ends of a replica connection send a heartbeat this often ...
+  double replica_dead_after_s = 10;        // ... and drop a peer silent this long (hung, or its machine gone)
   bool replica_prefix_routing = true;      // prompts sharing a prefix go to the same replica (its KV cached there)
   int64_t replica_max_imbalance = 4;       // ... unless it has this many more in flight than the least loaded
   int64_t replica_affinity_blocks = 65536; // prompt prefixes (full KV blocks) the router remembers
@@ -181,6 +184,15 @@ class engine_handle {
   std::vector<replica_stats> replicas() const;
   /// The port this engine's scheduler is published on; -1 when it is not.
   int published_port() const;
+  /// Publishes the scheduler for fronts at host:port (an engine started with publish_port >= 0,
+  /// i.e. with the middleman); returns the port. Throws std::runtime_error when it cannot.
+  int publish(const std::string& host, int port);
+  /// Hands the published port over: new connections are refused (existing ones stay) and new
+  /// generations from other processes are refused as unavailable (their fronts move them); those
+  /// running finish.
+  void retire_published();
+  /// Whether the scheduler runs or queues anything (bounded wait; true when it does not answer).
+  bool busy(std::chrono::milliseconds timeout = std::chrono::seconds(2));
 
   /// Fault injection for tests: the executor throws in the middle of its next step.
   void inject_executor_fault();

@@ -15,6 +15,8 @@
 //                                                           the first executor's start error
 //   anyone   --[h] stats-->                     scheduler   replies engine_stats
 //   anyone   --[h] drain-->                     scheduler   refuse new work; replies true when empty
+//   engine_handle --[h] retire-->               scheduler   refuse new work from other processes (a
+//                                                           published version replaced by a reload)
 //   client   --[h] priority(cls, p)-->          request --[h] priority(seq, cls, p)--> scheduler
 // The scheduler monitors request actors (a down request = cancel) and treats a failed or timed
 // out step as a lost executor: every sequence is requeued for recompute, none fails.
@@ -52,6 +54,7 @@ using deadline_atom = caf::atom_constant<caf::atom("deadline")>;
 using drain_atom = caf::atom_constant<caf::atom("drain")>;
 using priority_atom = caf::atom_constant<caf::atom("priority")>;
 using up_atom = caf::atom_constant<caf::atom("up")>;
+using retire_atom = caf::atom_constant<caf::atom("retire")>;
 using ready_atom = caf::atom_constant<caf::atom("ready")>;
 
 /// How to sample one sequence's next token in a step. Sampling is stateless across steps: the

@@ -23,6 +23,7 @@ struct scheduler_state {
   int32_t n_executors = 0;
   int n_in_flight = 0;  // steps sent and not answered (two when one was planned ahead)
   bool circuit_open = false, tick_pending = false, fault_next = false, draining = false;
+  bool retired = false;  // a published version replaced: fronts' new requests go to its successor
   std::string circuit_reason;  // "the model is unavailable: ..." once the circuit is open
   std::vector<caf::response_promise> drain_waiters;  // answered once nothing is left
   std::unordered_map<uint64_t, seq_entry> seqs;
@@ -215,6 +216,8 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
         auto& s = self->state;
         if (s.circuit_open) return {admit_error::unavailable, s.circuit_reason};
         if (s.draining) return {admit_error::unavailable, "the model is draining: no new requests are admitted"};
+        if (s.retired && self->current_sender() && self->current_sender()->node() != self->node())
+          return {admit_error::unavailable, "this replica's model version was replaced by a reload: its successor serves new requests"};
         const uint64_t id = m.spec.id;
         admission a = s.core->add(std::move(m.spec), s.now());
         if (!a.ok()) return a;
@@ -256,6 +259,7 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
         fail_all(self, gen_error::unavailable, s.circuit_reason);
       },
       [=](fault_atom) { self->state.fault_next = true; },
+      [=](retire_atom) { self->state.retired = true; },
       // A front server asks what this (published) scheduler serves before routing to it.
       [=](info_atom) { return self->state.fingerprint; },
       // Drain: refuse new work, finish what is admitted, answer true when nothing is left.

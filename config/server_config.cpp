@@ -151,6 +151,8 @@ const std::vector<key_spec>& keys() {
       {"replicas", "remote", string_list_key(&server_config::replicas)},
       {"replicas", "retry_s", double_key(&server_config::replica_retry_s)},
       {"replicas", "timeout_s", double_key(&server_config::replica_timeout_s)},
+      {"replicas", "heartbeat_s", double_key(&server_config::replica_heartbeat_s)},
+      {"replicas", "dead_after_s", double_key(&server_config::replica_dead_after_s)},
       {"replicas", "routing", string_key(&server_config::replica_routing)},
       {"replicas", "max_imbalance", int_key(&server_config::replica_max_imbalance)},
       {"replicas", "affinity_blocks", int_key(&server_config::replica_affinity_blocks)},
@@ -301,6 +303,10 @@ std::string validate(const server_config& c) {
     return range_error("replicas.retry_s", "--replica-retry-s", "> 0", num(c.replica_retry_s));
   if (!(c.replica_timeout_s > 0) || !std::isfinite(c.replica_timeout_s))
     return range_error("replicas.timeout_s", "--replica-timeout-s", "> 0", num(c.replica_timeout_s));
+  if (!(c.replica_heartbeat_s > 0) || !std::isfinite(c.replica_heartbeat_s))
+    return range_error("replicas.heartbeat_s", "--replica-heartbeat-s", "> 0", num(c.replica_heartbeat_s));
+  if (!(c.replica_dead_after_s > c.replica_heartbeat_s) || !std::isfinite(c.replica_dead_after_s))
+    return range_error("replicas.dead_after_s", "--replica-dead-after-s", "> replicas.heartbeat_s", num(c.replica_dead_after_s));
   if (c.replica_routing != "prefix" && c.replica_routing != "least_loaded")
     return range_error("replicas.routing", "--replica-routing", "\"prefix\" or \"least_loaded\"", "\"" + c.replica_routing + "\"");
   if (c.replica_max_imbalance < 0 || c.replica_max_imbalance > 1000000)
@@ -346,6 +352,7 @@ std::string describe(const server_config& c) {
     << "[replicas]\n"
     << "publish_port = " << c.publish_port << "\npublish_host = " << quote(c.publish_host) << "\nremote = " << list(c.replicas)
     << "\nretry_s = " << num(c.replica_retry_s) << "\ntimeout_s = " << num(c.replica_timeout_s)
+    << "\nheartbeat_s = " << num(c.replica_heartbeat_s) << "\ndead_after_s = " << num(c.replica_dead_after_s)
     << "\nrouting = " << quote(c.replica_routing) << "\nmax_imbalance = " << c.replica_max_imbalance
     << "\naffinity_blocks = " << c.replica_affinity_blocks << "\n"
     << "[engine]\n"

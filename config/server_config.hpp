@@ -58,6 +58,8 @@ struct server_config {
   std::vector<std::string> replicas;       // "host:port" of published servers of the same model this one routes to as well
   double replica_retry_s = 2;              // an unreachable, lost or mismatched replica is tried again this often
   double replica_timeout_s = 10;           // connecting to a replica and its first answer, at most
+  double replica_heartbeat_s = 1;          // heartbeats on replica connections, this often
+  double replica_dead_after_s = 10;        // a replica connection silent this long is dropped
   std::string replica_routing = "prefix";  // "prefix" (cache-aware) or "least_loaded"
   int64_t replica_max_imbalance = 4;       // prefix routing yields to the least loaded beyond this many more in flight
   int64_t replica_affinity_blocks = 65536; // prompt prefixes (full KV blocks) the router remembers

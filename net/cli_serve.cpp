@@ -61,6 +61,7 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       field("--max-models", &c::max_models), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
       field("--publish-port", &c::publish_port), field("--publish-host", &c::publish_host), field("--replica", &c::replicas),
       field("--replica-retry-s", &c::replica_retry_s), field("--replica-timeout-s", &c::replica_timeout_s),
+      field("--replica-heartbeat-s", &c::replica_heartbeat_s), field("--replica-dead-after-s", &c::replica_dead_after_s),
       field("--replica-routing", &c::replica_routing), field("--replica-max-imbalance", &c::replica_max_imbalance),
       field("--replica-affinity-blocks", &c::replica_affinity_blocks),
   };
@@ -171,20 +172,34 @@ int run_serve(serve_opts& o) {
   default_eo.replicas = c.replicas;
   default_eo.replica_retry_s = c.replica_retry_s;
   default_eo.replica_timeout_s = c.replica_timeout_s;
+  default_eo.replica_heartbeat_s = c.replica_heartbeat_s;
+  default_eo.replica_dead_after_s = c.replica_dead_after_s;
   default_eo.replica_prefix_routing = c.replica_routing == "prefix";
   default_eo.replica_max_imbalance = c.replica_max_imbalance;
   default_eo.replica_affinity_blocks = c.replica_affinity_blocks;
-  auto published = std::make_shared<bool>(false);
-  auto load_default = [default_eo, load_with, published](const std::string& path) {
-    if (default_eo.publish_port >= 0 && *published)
-      throw net::reload_error(409, "this model is published for front servers (--publish-port): a new version would need its port; restart this "
-                                   "replica with the new file instead (its fronts route around it meanwhile)");
-    auto v = load_with(default_eo, path);
-    if (const int port = v->engine->published_port(); port >= 0) {
-      *published = true;
-      std::fprintf(stderr, "troupe serve: published for fronts at %s:%d (troupe serve --replica %s:%d)\n", default_eo.publish_host.c_str(), port,
-                   default_eo.publish_host.c_str(), port);
+  // A reload of a published model hands the port over once the new version is current: the old
+  // one stops accepting connections and refuses new generations from fronts (they move them),
+  // finishes those it runs, and is unloaded when idle; the fronts reconnect to the new one.
+  auto published_port = std::make_shared<int>(-1);
+  auto load_default = [default_eo, load_with, published_port](const std::string& path) {
+    actors::engine_options o = default_eo;
+    o.publish_at_start = *published_port < 0;
+    auto v = load_with(o, path);
+    if (o.publish_port < 0) return v;
+    v->serves_remote = true;
+    const std::string& host = o.publish_host;
+    if (o.publish_at_start) {
+      *published_port = v->engine->published_port();
+      std::fprintf(stderr, "troupe serve: published for fronts at %s:%d (troupe serve --replica %s:%d)\n", host.c_str(), *published_port,
+                   host.c_str(), *published_port);
+      return v;
     }
+    actors::engine_handle* next = v->engine.get();
+    v->on_current = [next, host, published_port](net::served_model& old) {
+      old.engine->retire_published();
+      next->publish(host, *published_port);
+      std::fprintf(stderr, "troupe serve: the new version is published for fronts at %s:%d\n", host.c_str(), *published_port);
+    };
     return v;
   };
   net::model_slot_options so;
@@ -253,6 +268,10 @@ action add_serve(CLI::App& app) {
   cmd->add_option("--replica-retry-s", f.replica_retry_s, "data parallel: an unreachable, lost or mismatched replica is tried again this often")
       ->capture_default_str();
   cmd->add_option("--replica-timeout-s", f.replica_timeout_s, "data parallel: connecting to a replica and its first answer, at most")
+      ->capture_default_str();
+  cmd->add_option("--replica-heartbeat-s", f.replica_heartbeat_s, "data parallel: heartbeats on replica connections, this often")
+      ->capture_default_str();
+  cmd->add_option("--replica-dead-after-s", f.replica_dead_after_s, "data parallel: a replica connection silent this long is dropped")
       ->capture_default_str();
   cmd->add_option("--replica-routing", f.replica_routing,
                   "data parallel: prefix (to the replica that took the prompt's longest known prefix) or least_loaded")

@@ -7,6 +7,7 @@
 #include <malloc.h>
 #endif
 #include <filesystem>
+#include <set>
 #include <sstream>
 
 #include "engine/gguf.hpp"
@@ -142,6 +143,13 @@ reload_result model_slot::reload(const std::string& requested) {
     ++reloads_ok_;
   }
   cv_.notify_all();
+  if (next->on_current) {
+    try {
+      next->on_current(*old);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "troupe serve: version %llu: %s\n", (unsigned long long)r.version, e.what());
+    }
+  }
   std::fprintf(stderr, "troupe serve: version %llu (%s) serving after %.2f s; version %llu finishes what it holds\n",
                (unsigned long long)r.version, path.c_str(), r.load_s, (unsigned long long)r.previous);
   return r;
@@ -178,9 +186,24 @@ void model_slot::reaper() {
       cv_.wait(lk, [&] { return stop_ || !retired_.empty(); });
       continue;
     }
+    // A version fronts reach runs generations no local request holds: ask its engine whether
+    // anything runs (a bounded wait, without the lock).
+    std::vector<std::shared_ptr<served_model>> ask;
+    for (const auto& r : retired_)
+      if (r.m->serves_remote && !r.ended && r.m.use_count() == 1) ask.push_back(r.m);
+    std::set<const served_model*> busy;
+    if (!ask.empty()) {
+      lk.unlock();
+      for (const auto& m : ask)
+        if (m->engine->busy()) busy.insert(m.get());
+      ask.clear();
+      lk.lock();
+      if (stop_) break;
+    }
     std::vector<std::shared_ptr<served_model>> done;
     for (auto it = retired_.begin(); it != retired_.end();) {
-      if (it->m.use_count() == 1) {  // nobody else can take it again: it is not current
+      // Nobody else can take it again (it is not current), and no front's generation runs on it.
+      if (it->m.use_count() == 1 && !busy.count(it->m.get())) {
         done.push_back(std::move(it->m));
         it = retired_.erase(it);
         continue;

@@ -43,6 +43,12 @@ struct served_model {
   std::string path;       // the GGUF file it was loaded from
   uint64_t version = 0;   // 1 for the model loaded at start, +1 per successful reload
   double load_s = 0;      // loading, starting the executor and the warm-up generation
+  // Published for fronts (data parallel): generations from other processes run on it that no
+  // local request holds, so a retired version is unloaded only once its engine is idle too.
+  bool serves_remote = false;
+  // Called once this version is current, with the version it replaced (still loaded): e.g. takes
+  // over the published port. An exception is logged; the switch stands.
+  std::function<void(served_model& old)> on_current;
 };
 
 struct model_slot_options {

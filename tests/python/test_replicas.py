@@ -396,3 +396,92 @@ def test_prefix_routing_keeps_a_shared_prefix_on_one_replica(routing):
                     assert hits < prefix_hits, (hits, prefix_hits)
     finally:
         stop(replica)
+
+
+def test_a_hung_replica_is_dropped_after_dead_after_s_and_rejoins():
+    """SIGSTOP: the replica's sockets stay open but it answers nothing (a hung process, or a machine
+    gone without closing its connections). The front drops it after --replica-dead-after-s without
+    heartbeats: its stream ends with an error, the front serves alone; after SIGCONT the replica
+    frees that generation and the front connects it again."""
+    beat = ("--replica-heartbeat-s", "0.2", "--replica-dead-after-s", "1.5")
+    rport, rhttp = free_port(), free_port()
+    replica = start_replica(rport, rhttp, *beat)
+    remote = f"127.0.0.1:{rport}"
+    try:
+        with running_server("--replica", remote, "--replica-retry-s", "0.5", *beat) as (front, _):
+            wait_for(lambda: replica_series(front, "troupe_replica_up", remote) == 1, 20, "no connection")
+            body = {"prompt": "Tell me about rivers.", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+            progress, out = [0, 0], [None, None]
+
+            def run(i):
+                out[i] = sse(front, body, on_token=lambda n: progress.__setitem__(i, n))
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+                time.sleep(0.05)
+            wait_for(lambda: min(progress) >= 3, 60, "both streams did not start")
+            replica.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            try:
+                wait_for(lambda: any(o is not None and o[2] is not None for o in out), 15, "the hung replica's stream did not end")
+                assert time.monotonic() - t0 < 10
+                assert replica_series(front, "troupe_replica_up", remote) == 0
+                for t in threads:
+                    t.join(timeout=300)
+                failed = [o for o in out if o[2] is not None]
+                assert len(failed) == 1 and "lost" in failed[0][2]["message"], out
+                st, r = request(front, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 4})
+                assert st == 200, r
+            finally:
+                replica.send_signal(signal.SIGCONT)
+            # Resumed: it sees the front's side closed, frees the generation, and is connected again.
+            wait_for(lambda: metrics(rhttp)['troupe_num_requests_running{model="default"}'] == 0
+                     and metrics(rhttp)['troupe_kv_blocks_used{model="default"}'] == 0, 15, "the replica kept the generation")
+            wait_for(lambda: replica_series(front, "troupe_replica_up", remote) == 1, 20, "no reconnection")
+    finally:
+        stop(replica)
+
+
+def test_reloading_a_published_replica_fails_nothing(replica_and_front):
+    """POST /admin/reload on a replica while a front streams from it: the generation running on the
+    old version finishes there (the old version is unloaded only once idle), new ones go to the
+    front or, once it reconnects, to the new version; nothing fails, nothing is lost."""
+    front, rhttp, rport, _ = replica_and_front
+    remote = f"127.0.0.1:{rport}"
+    body = {"prompt": "Describe a long walk through a city at night.", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    st, ref = request(rhttp, "POST", "/v1/completions", body)
+    assert st == 200
+    progress, out = [0, 0], [None, None]
+
+    def run(i):
+        out[i] = sse(front, body, on_token=lambda n: progress.__setitem__(i, n))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    wait_for(lambda: min(progress) >= 3, 60, "both streams did not start")
+    assert replica_series(front, "troupe_replica_in_flight", remote) == 1
+    st, r = request(rhttp, "POST", "/admin/reload")
+    assert st == 200 and r["version"] == 2, r
+    for _ in range(4):  # meanwhile: new generations succeed (moved off the retired version if sent there)
+        st, r = request(front, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 4})
+        assert st == 200, r
+    for t in threads:
+        t.join(timeout=300)
+    for o in out:
+        assert o[2] is None, o
+        assert o[0] == ref["choices"][0]["text"]
+    # The old version, idle, is unloaded; the front reconnects to the new one and routes to it.
+    wait_for(lambda: request(rhttp, "GET", "/ready")[1]["draining_versions"] == 0, 30, "the old version was not unloaded")
+    wait_for(lambda: replica_series(front, "troupe_replica_up", remote) == 1, 20, "no reconnection")
+    before = replica_series(front, "troupe_replica_routed_total", remote)
+    threads = [threading.Thread(target=request, args=(front, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 8}))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert replica_series(front, "troupe_replica_routed_total", remote) > before
+    assert replica_series(front, "troupe_replica_lost_total", remote) == 0
