@@ -3,11 +3,11 @@
 #include <caf/io/all.hpp>
 #include <unistd.h>
 
-#include <random>
-
 #include <atomic>
+#include <random>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "actors/runtime.hpp"
 #include "engine/device_module.hpp"
@@ -149,6 +149,17 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   if ((o.tensor_parallel > 1 || o.pipeline_parallel > 1) && o.cuda_device >= 0)
     throw std::invalid_argument("tensor and pipeline parallel run on the CPU backend only (NCCL between GPUs is not implemented): use --device cpu");
   if (o.tensor_parallel > 1 && o.pipeline_parallel > 1) throw std::invalid_argument("tensor and pipeline parallelism cannot be combined yet");
+  // Data parallel: where the replicas are, whether this engine runs generations itself.
+  std::vector<replica_endpoint> endpoints;
+  for (const std::string& r : o.replicas) endpoints.push_back(parse_endpoint(r));
+  if (!o.local_executor && endpoints.empty())
+    throw std::invalid_argument("a server without a local executor routes to replicas: name at least one (--replica)");
+  if (!o.local_executor && o.publish_port >= 0) throw std::invalid_argument("a server without a local executor has nothing to publish");
+  if (o.publish_port > 65535) throw std::invalid_argument("publish port " + std::to_string(o.publish_port) + " is not in 0..65535");
+  if (!(o.replica_retry_s > 0) || !(o.replica_timeout_s > 0))
+    throw std::invalid_argument("the replica retry and timeout must be > 0 seconds");
+  if (!(o.replica_heartbeat_s > 0) || !(o.replica_dead_after_s > o.replica_heartbeat_s))
+    throw std::invalid_argument("the replica heartbeat must be > 0 s and shorter than the dead-after time");
   auto p = std::make_unique<impl>();
   p->model = std::shared_ptr<const engine::model>(engine::model::load(o.model_path));
   if (o.tensor_parallel > 1)
@@ -176,16 +187,8 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   const int64_t limit = std::min<int64_t>(hp.n_ctx_train, pool_positions);
   if (sc.max_model_len == 0 || sc.max_model_len > limit) sc.max_model_len = limit;
 
-  std::vector<replica_endpoint> endpoints;
-  for (const std::string& r : o.replicas) endpoints.push_back(parse_endpoint(r));
-  if (o.publish_port > 65535) throw std::invalid_argument("publish port " + std::to_string(o.publish_port) + " is not in 0..65535");
-  if (!(o.replica_retry_s > 0) || !(o.replica_timeout_s > 0))
-    throw std::invalid_argument("the replica retry and timeout must be > 0 seconds");
-
   p->cfg.set("scheduler.max-threads", 2);  // message handling only: compute runs on the executor's threads
   add_wire_types(p->cfg);
-  if (!(o.replica_heartbeat_s > 0) || !(o.replica_dead_after_s > o.replica_heartbeat_s))
-    throw std::invalid_argument("the replica heartbeat must be > 0 s and shorter than the dead-after time");
   if (o.publish_port >= 0 || !endpoints.empty()) {
     p->cfg.load<caf::io::middleman>();
     // A peer that stops answering (stopped, hung, its machine gone without a FIN) is dropped after
@@ -200,9 +203,9 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   executor_config ec{p->model, o.n_threads, shape, n_dev, n_host, o.cuda_device, o.tensor_parallel, o.pipeline_parallel,
                      sc.max_batched_tokens, sc.max_num_seqs, sc.max_model_len, o.fail_executor_start,
                      o.emulate_device_sampling};
-  p->supervisor = p->sys->spawn(supervisor_actor, p->scheduler, ec, o.max_restarts, o.restart_window_s);
+  if (o.local_executor) p->supervisor = p->sys->spawn(supervisor_actor, p->scheduler, ec, o.max_restarts, o.restart_window_s);
   auto h = std::unique_ptr<engine_handle>(new engine_handle(std::move(p)));  // stops the actors if we throw
-  {
+  if (o.local_executor) {
     caf::scoped_actor self{*h->impl_->sys};
     const auto timeout = std::chrono::milliseconds((int64_t)(o.start_timeout_s * 1000));
     std::string err;
@@ -221,7 +224,7 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   ro.max_imbalance = o.replica_max_imbalance;
   ro.affinity_blocks = (size_t)std::max<int64_t>(1, o.replica_affinity_blocks);
   ro.block_size = o.kv_block_size;
-  im.router = std::make_shared<replica_router>(im.scheduler, ro);
+  im.router = std::make_shared<replica_router>(im.scheduler, o.local_executor, ro);
   if (o.publish_port >= 0 && o.publish_at_start) {
     try {
       h->publish(o.publish_host, o.publish_port);
@@ -233,6 +236,14 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
     for (auto& e : endpoints) e.index = im.router->add_remote(e.host + ":" + std::to_string(e.port));
     im.keeper = im.sys->spawn(replica_keeper, im.router, endpoints, model_fingerprint(*im.model), o.replica_retry_s, o.replica_timeout_s);
   }
+  if (!o.local_executor) {  // a router only: ready once some replica serves
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds((int64_t)(o.start_timeout_s * 1000));
+    while (!im.router->any_up()) {
+      if (std::chrono::steady_clock::now() >= until)
+        throw std::runtime_error((std::ostringstream{} << "no replica served within " << o.start_timeout_s << " s (a router without a local executor needs one)").str());
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
   return h;
 }
 
@@ -241,7 +252,7 @@ engine_handle::engine_handle(std::unique_ptr<impl> p) : impl_(std::move(p)) {}
 engine_handle::~engine_handle() {
   if (!impl_) return;
   if (impl_->keeper) caf::anon_send_exit(impl_->keeper, caf::exit_reason::user_shutdown);
-  caf::anon_send_exit(impl_->supervisor, caf::exit_reason::user_shutdown);
+  if (impl_->supervisor) caf::anon_send_exit(impl_->supervisor, caf::exit_reason::user_shutdown);
   caf::anon_send_exit(impl_->scheduler, caf::exit_reason::user_shutdown);
   impl_->sys->await_all_actors_done();
 }

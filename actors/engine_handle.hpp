@@ -115,6 +115,8 @@ struct engine_options {
   bool publish_at_start = true;            // false: ready to publish (publish()), e.g. once a reload makes it current
   std::string publish_host = "127.0.0.1";  // the address it is published on
   std::vector<std::string> replicas;       // "host:port" of published engines (same model) this one also routes to
+  bool local_executor = true;              // false: a router only (no executor, no KV memory): every generation
+                                           // goes to a replica; start waits (start_timeout_s) until one serves
   double replica_retry_s = 2;              // an unreachable, lost or mismatched replica is tried again this often
   double replica_timeout_s = 10;           // connecting to a replica and its first answer, at most
   double replica_heartbeat_s = 1;          // both ends of a replica connection send a heartbeat this often ...

@@ -85,8 +85,16 @@ replica_endpoint parse_endpoint(const std::string& text) {
 
 // --- replica_router ------------------------------------------------------------------------------
 
-replica_router::replica_router(caf::actor local, routing_options opts) : opts_(opts), affinity_(opts.affinity_blocks) {
-  entries_.push_back({"local", std::move(local), "serving"});
+replica_router::replica_router(caf::actor local, bool local_serves, routing_options opts) : opts_(opts), affinity_(opts.affinity_blocks) {
+  if (local_serves) entries_.push_back({"local", std::move(local), "serving"});
+  else entries_.push_back({"local", nullptr, "no local executor: a router only"});
+}
+
+bool replica_router::any_up() const {
+  std::lock_guard lk(mu_);
+  for (const entry& e : entries_)
+    if (e.scheduler) return true;
+  return false;
 }
 
 bool replica_router::wants_prefix() const {
@@ -142,16 +150,9 @@ void replica_router::release(size_t index) {
   if (index < entries_.size() && entries_[index].in_flight > 0) --entries_[index].in_flight;
 }
 
-void replica_router::lost(size_t index, const caf::actor_addr& which) {
+void replica_router::lost(size_t index) {
   std::lock_guard lk(mu_);
-  if (index >= entries_.size()) return;
-  entry& e = entries_[index];
-  ++e.lost;
-  if (index != 0 && e.scheduler && e.scheduler.address() == which) {  // not a connection made since
-    affinity_.forget(index);
-    e.scheduler = nullptr;
-    e.status = "lost";
-  }
+  if (index < entries_.size()) ++entries_[index].lost;
 }
 
 void replica_router::set_up(size_t index, caf::actor scheduler) {

@@ -131,7 +131,7 @@ caf::behavior request_actor(caf::event_based_actor* self, std::shared_ptr<replic
   };
   st->on_lost = [=](const std::string& why) {
     const size_t index = st->index;
-    router->lost(index, st->scheduler.address());
+    router->lost(index);
     leave();
     const std::string text = "the replica " + router->name(index) + " serving this generation was lost: " + why;
     // The local scheduler goes only when the engine stops: nothing moves then.

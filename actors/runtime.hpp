@@ -147,7 +147,8 @@ class replica_router {
     size_t index = 0;
     caf::actor scheduler;
   };
-  explicit replica_router(caf::actor local, routing_options opts = {});
+  /// `local`: this engine's scheduler, routed to only when `local_serves` (it has an executor).
+  replica_router(caf::actor local, bool local_serves, routing_options opts = {});
   /// Whether pick() uses prompt hashes (prefix routing with some remote replica).
   bool wants_prefix() const;
   /// The chain hashes of the prompt's full blocks, for pick().
@@ -159,14 +160,17 @@ class replica_router {
   std::optional<choice> pick(const std::vector<size_t>& tried, std::span<const uint64_t> prefix = {});
   /// A generation counted by pick() ended (or moved away).
   void release(size_t index);
-  /// A generation lost its replica (the connection or the process died): the replica is down
-  /// until the keeper connects it again.
-  void lost(size_t index, const caf::actor_addr& which);
+  /// A generation lost its replica (the connection or the process died, or it did not answer).
+  /// Counted only: marking the replica down is the keeper's, on its own monitor (a replica that
+  /// was slow to answer one submit is not taken out of routing for good).
+  void lost(size_t index);
   void set_up(size_t index, caf::actor scheduler);
   void set_down(size_t index, std::string status);
   bool is_local(size_t index) const { return index == 0; }
   std::string name(size_t index) const;
   std::vector<replica_stats> stats() const;
+  /// Whether some replica can take a generation now.
+  bool any_up() const;
 
  private:
   struct entry {

@@ -149,6 +149,7 @@ const std::vector<key_spec>& keys() {
       {"replicas", "publish_port", int_key(&server_config::publish_port)},
       {"replicas", "publish_host", string_key(&server_config::publish_host)},
       {"replicas", "remote", string_list_key(&server_config::replicas)},
+      {"replicas", "local", bool_key(&server_config::replica_local)},
       {"replicas", "retry_s", double_key(&server_config::replica_retry_s)},
       {"replicas", "timeout_s", double_key(&server_config::replica_timeout_s)},
       {"replicas", "heartbeat_s", double_key(&server_config::replica_heartbeat_s)},
@@ -299,6 +300,10 @@ std::string validate(const server_config& c) {
         std::stol(port) < 1 || std::stol(port) > 65535)
       return "replicas.remote (--replica): '" + r + "' is not HOST:PORT with a port in [1, 65535]";
   }
+  if (!c.replica_local && c.replicas.empty())
+    return "replicas.local (--local-replica) false: a router only needs at least one replicas.remote (--replica)";
+  if (!c.replica_local && c.publish_port >= 0)
+    return "replicas.local (--local-replica) false: a router only has no engine to publish (replicas.publish_port, --publish-port)";
   if (!(c.replica_retry_s > 0) || !std::isfinite(c.replica_retry_s))
     return range_error("replicas.retry_s", "--replica-retry-s", "> 0", num(c.replica_retry_s));
   if (!(c.replica_timeout_s > 0) || !std::isfinite(c.replica_timeout_s))
@@ -351,6 +356,7 @@ std::string describe(const server_config& c) {
     << "\nmax_models = " << c.max_models << "\n"
     << "[replicas]\n"
     << "publish_port = " << c.publish_port << "\npublish_host = " << quote(c.publish_host) << "\nremote = " << list(c.replicas)
+    << "\nlocal = " << (c.replica_local ? "true" : "false")
     << "\nretry_s = " << num(c.replica_retry_s) << "\ntimeout_s = " << num(c.replica_timeout_s)
     << "\nheartbeat_s = " << num(c.replica_heartbeat_s) << "\ndead_after_s = " << num(c.replica_dead_after_s)
     << "\nrouting = " << quote(c.replica_routing) << "\nmax_imbalance = " << c.replica_max_imbalance

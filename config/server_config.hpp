@@ -56,6 +56,7 @@ struct server_config {
   int64_t publish_port = -1;               // >= 0: this server's default model is published at this port for fronts (0: any free); -1: off
   std::string publish_host = "127.0.0.1";  // the address it is published on
   std::vector<std::string> replicas;       // "host:port" of published servers of the same model this one routes to as well
+  bool replica_local = true;               // false: a router only, no executor of its own (needs replicas)
   double replica_retry_s = 2;              // an unreachable, lost or mismatched replica is tried again this often
   double replica_timeout_s = 10;           // connecting to a replica and its first answer, at most
   double replica_heartbeat_s = 1;          // heartbeats on replica connections, this often

@@ -60,7 +60,7 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       field("--reload-warmup-timeout-s", &c::reload_warmup_timeout_s), field("--chat-template", &c::chat_template),
       field("--max-models", &c::max_models), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
       field("--publish-port", &c::publish_port), field("--publish-host", &c::publish_host), field("--replica", &c::replicas),
-      field("--replica-retry-s", &c::replica_retry_s), field("--replica-timeout-s", &c::replica_timeout_s),
+      field("--local-replica", &c::replica_local), field("--replica-retry-s", &c::replica_retry_s), field("--replica-timeout-s", &c::replica_timeout_s),
       field("--replica-heartbeat-s", &c::replica_heartbeat_s), field("--replica-dead-after-s", &c::replica_dead_after_s),
       field("--replica-routing", &c::replica_routing), field("--replica-max-imbalance", &c::replica_max_imbalance),
       field("--replica-affinity-blocks", &c::replica_affinity_blocks),
@@ -170,6 +170,7 @@ int run_serve(serve_opts& o) {
   default_eo.publish_port = (int)c.publish_port;
   default_eo.publish_host = c.publish_host;
   default_eo.replicas = c.replicas;
+  default_eo.local_executor = c.replica_local;
   default_eo.replica_retry_s = c.replica_retry_s;
   default_eo.replica_timeout_s = c.replica_timeout_s;
   default_eo.replica_heartbeat_s = c.replica_heartbeat_s;
@@ -265,6 +266,9 @@ action add_serve(CLI::App& app) {
   cmd->add_option("--publish-host", f.publish_host, "data parallel: the address the engine is published on (trusted networks only)")
       ->capture_default_str();
   cmd->add_option("--replica", f.replicas, "data parallel: HOST:PORT of a published server of the same model to route to as well (repeatable)");
+  cmd->add_option("--local-replica", f.replica_local,
+                  "data parallel: false makes this server a router only (no executor of its own; needs --replica)")
+      ->capture_default_str();
   cmd->add_option("--replica-retry-s", f.replica_retry_s, "data parallel: an unreachable, lost or mismatched replica is tried again this often")
       ->capture_default_str();
   cmd->add_option("--replica-timeout-s", f.replica_timeout_s, "data parallel: connecting to a replica and its first answer, at most")

@@ -68,7 +68,7 @@ struct fixture {
     p.sampling.ignore_eos = true;
     p.max_tokens = max_tokens;
     auto s = std::make_shared<generation_stream>((size_t)max_tokens + 2);
-    auto req = sys->spawn(request_actor, std::make_shared<replica_router>(scheduler), model, p, id, s);
+    auto req = sys->spawn(request_actor, std::make_shared<replica_router>(scheduler, true), model, p, id, s);
     s->set_canceller([req] { caf::anon_send<caf::message_priority::high>(req, cancel_atom::value); }, id);
     return s;
   }
@@ -167,7 +167,7 @@ TEST_CASE("a request actor that dies frees its sequence through its down message
   p.sampling.temperature = 0;
   p.max_tokens = 50;
   auto s = std::make_shared<generation_stream>(52);
-  auto req = f.sys->spawn(request_actor, std::make_shared<replica_router>(f.scheduler), f.model, p, 9, s);
+  auto req = f.sys->spawn(request_actor, std::make_shared<replica_router>(f.scheduler, true), f.model, p, 9, s);
   f.sched->run();
   REQUIRE(f.stats().n_running == 1);
   caf::anon_send_exit(req, caf::exit_reason::kill);  // no cancel message: only the down message
@@ -223,7 +223,7 @@ TEST_CASE("pipelining: the next decode is planned while a step runs; a finished 
   p.sampling.temperature = 0;
   p.max_tokens = 50;
   auto s2 = std::make_shared<generation_stream>(52);
-  f.sys->spawn(request_actor, std::make_shared<replica_router>(f.scheduler), f.model, p, 4, s2);
+  f.sys->spawn(request_actor, std::make_shared<replica_router>(f.scheduler, true), f.model, p, 4, s2);
   f.sched->run();
   REQUIRE(log->steps.size() == 5);  // its prefill and the decode ahead
   const engine::token_id eos = f.model->vocab().eos();

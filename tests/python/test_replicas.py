@@ -485,3 +485,61 @@ def test_reloading_a_published_replica_fails_nothing(replica_and_front):
         t.join(timeout=120)
     assert replica_series(front, "troupe_replica_routed_total", remote) > before
     assert replica_series(front, "troupe_replica_lost_total", remote) == 0
+
+
+def test_a_router_without_an_executor_spreads_over_replicas_and_fails_clearly_without_them():
+    """--local-replica false: the front only routes. Its outputs equal a replica's own; with one
+    replica gone the other serves everything; with none, /ready is 503 and requests get a clear
+    503; a replica back on its port serves again."""
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    replicas = [start_replica(rp, hp) for rp, hp in ports]
+    names = [f"127.0.0.1:{rp}" for rp, _ in ports]
+    try:
+        args = ["--local-replica", "false", "--replica-retry-s", "0.3", "--replica-routing", "least_loaded"]
+        for n in names:
+            args += ["--replica", n]
+        with running_server(*args) as (front, _):
+            wait_for(lambda: all(replica_series(front, "troupe_replica_up", n) == 1 for n in names), 20, "no connection")
+            st, ready = request(front, "GET", "/ready")
+            assert st == 200 and ready["replicas"][0]["up"] is False and "router" in ready["replicas"][0]["status"]
+            body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+            st, ref = request(ports[0][1], "POST", "/v1/completions", body)
+            assert st == 200
+            results = [None] * 6
+
+            def run(i):
+                results[i] = request(front, "POST", "/v1/completions", body)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            for st, r in results:
+                assert st == 200, r
+                assert r["choices"][0]["text"] == ref["choices"][0]["text"]
+            assert replica_series(front, "troupe_replica_routed_total", "local") == 0
+            assert all(replica_series(front, "troupe_replica_routed_total", n) >= 2 for n in names)
+
+            replicas[0].send_signal(signal.SIGKILL)
+            replicas[0].wait()
+            wait_for(lambda: replica_series(front, "troupe_replica_up", names[0]) == 0, 10, "not marked down")
+            for _ in range(3):
+                st, r = request(front, "POST", "/v1/completions", body)
+                assert st == 200, r
+            replicas[1].send_signal(signal.SIGKILL)
+            replicas[1].wait()
+            wait_for(lambda: replica_series(front, "troupe_replica_up", names[1]) == 0, 10, "not marked down")
+            st, ready = request(front, "GET", "/ready")
+            assert st == 503 and ready["status"] == "unavailable"
+            st, r = request(front, "POST", "/v1/completions", body)
+            assert st == 503 and "no replica" in r["error"]["message"], r
+
+            replicas[1] = start_replica(*ports[1])
+            wait_for(lambda: replica_series(front, "troupe_replica_up", names[1]) == 1, 20, "no reconnection")
+            st, r = request(front, "POST", "/v1/completions", body)
+            assert st == 200 and r["choices"][0]["text"] == ref["choices"][0]["text"], r
+    finally:
+        for p in replicas:
+            if p.poll() is None:
+                stop(p)
