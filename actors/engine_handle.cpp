@@ -146,9 +146,10 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
       throw std::invalid_argument("no CUDA device " + std::to_string(o.cuda_device) + ": this machine has " + std::to_string(n) +
                                   " usable (a driver and a GPU are needed; use the CPU)");
   }
-  if ((o.tensor_parallel > 1 || o.pipeline_parallel > 1) && o.cuda_device >= 0)
-    throw std::invalid_argument("tensor and pipeline parallel run on the CPU backend only (NCCL between GPUs is not implemented): use --device cpu");
-  if (o.tensor_parallel > 1 && o.pipeline_parallel > 1) throw std::invalid_argument("tensor and pipeline parallelism cannot be combined yet");
+  const int n_splits = (o.tensor_parallel > 1) + (o.pipeline_parallel > 1) + (o.expert_parallel > 1);
+  if (n_splits > 0 && o.cuda_device >= 0)
+    throw std::invalid_argument("tensor, pipeline and expert parallel run on the CPU backend only (NCCL between GPUs is not implemented): use --device cpu");
+  if (n_splits > 1) throw std::invalid_argument("tensor, pipeline and expert parallelism cannot be combined yet");
   // Data parallel: where the replicas are, whether this engine runs generations itself.
   std::vector<replica_endpoint> endpoints;
   for (const std::string& r : o.replicas) endpoints.push_back(parse_endpoint(r));
@@ -165,6 +166,8 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   if (o.tensor_parallel > 1)
     if (std::string err = engine::tensor_parallel_error(*p->model, o.tensor_parallel); !err.empty()) throw std::invalid_argument(err);
   if (o.pipeline_parallel > 1) engine::split_layers(p->model->hparams().n_layers, o.pipeline_parallel);  // throws when it does not split
+  if (o.expert_parallel > 1)
+    if (std::string err = engine::expert_parallel_error(*p->model, o.expert_parallel); !err.empty()) throw std::invalid_argument(err);
   const auto& hp = p->model->hparams();
   engine::kv_shape shape{hp.n_layers, hp.n_kv_heads, hp.head_dim, o.kv_block_size};
   const int64_t dev_blocks = o.n_device_blocks > 0 ? o.n_device_blocks : std::max<int64_t>(1, o.max_kv_bytes / shape.block_bytes());
@@ -200,7 +203,7 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   p->sys = std::make_unique<caf::actor_system>(p->cfg);
   scheduler_config_msg scm{sc, p->model, o.kv_block_size, n_dev, n_host, o.step_timeout_s};
   p->scheduler = spawn_scheduler(*p->sys, scm);
-  executor_config ec{p->model, o.n_threads, shape, n_dev, n_host, o.cuda_device, o.tensor_parallel, o.pipeline_parallel,
+  executor_config ec{p->model, o.n_threads, shape, n_dev, n_host, o.cuda_device, o.tensor_parallel, o.pipeline_parallel, o.expert_parallel,
                      sc.max_batched_tokens, sc.max_num_seqs, sc.max_model_len, o.fail_executor_start,
                      o.emulate_device_sampling};
   if (o.local_executor) p->supervisor = p->sys->spawn(supervisor_actor, p->scheduler, ec, o.max_restarts, o.restart_window_s);

@@ -104,6 +104,7 @@ struct engine_options {
   int cuda_device = -1;          // the executor's device: -1 the CPU, else a CUDA device (a build with CUDA)
   int tensor_parallel = 1;       // CPU: the forward split over this many ranks (heads, feed-forward columns)
   int pipeline_parallel = 1;     // CPU: the layers split over this many stages (micro-batches flow through)
+  int expert_parallel = 1;       // CPU: a mixture of experts' experts split over this many ranks
   scheduler_config sched;
   double step_timeout_s = 120;   // an executor step longer than this counts as a failure
   int max_restarts = 3;          // executor restarts within restart_window_s before giving up

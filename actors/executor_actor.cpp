@@ -76,6 +76,11 @@ class cpu_backend final : public backend {
                                                      std::max(1, c.n_threads / c.tensor_parallel));
       return;
     }
+    if (c.expert_parallel > 1) {
+      tp_ = std::make_unique<engine::tp_cpu_forward>(*c.model, c.expert_parallel, c.kv, c.n_device_blocks, n_host,
+                                                     std::max(1, c.n_threads / c.expert_parallel), engine::parallel_split::expert);
+      return;
+    }
     if (c.pipeline_parallel > 1) {
       pp_ = std::make_unique<engine::pp_cpu_forward>(*c.model, c.pipeline_parallel, c.kv, c.n_device_blocks, n_host,
                                                      std::max(1, c.n_threads / c.pipeline_parallel));

@@ -94,6 +94,7 @@ struct executor_config {
   int cuda_device = -1;  // -1: the CPU backend; else the CUDA device index (a build with CUDA)
   int tensor_parallel = 1;  // CPU: ranks the forward is split over (n_threads shared among them)
   int pipeline_parallel = 1;  // CPU: stages the layers are split over (n_threads shared among them)
+  int expert_parallel = 1;    // CPU: ranks a mixture of experts' experts are split over
   // The scheduler's limits, which size a device backend's step buffers: tokens and sequences per
   // step, positions per sequence.
   int32_t max_batch_tokens = 256, max_seqs = 64;

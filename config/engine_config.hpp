@@ -16,6 +16,7 @@ struct engine_config {
   int64_t max_kv_bytes = 1LL << 30;  // cap on the KV cache allocation
   int tensor_parallel = 1;  // ranks the model is split over (heads, feed-forward columns); CPU: threads are shared among them
   int pipeline_parallel = 1;  // stages the layers are split over (micro-batches flow through them); CPU: threads shared
+  int expert_parallel = 1;    // ranks a mixture of experts' experts are split over (attention replicated); CPU: threads shared
   std::string device = "cpu";  // the executor's device: "cpu", or "cuda" / "cuda:N" (builds with CUDA)
 };
 

@@ -128,6 +128,7 @@ const std::vector<key_spec>& keys() {
       {"engine", "batch_size", engine_int_key(&engine_config::n_batch)},
       {"engine", "tensor_parallel", engine_int_key(&engine_config::tensor_parallel)},
       {"engine", "pipeline_parallel", engine_int_key(&engine_config::pipeline_parallel)},
+      {"engine", "expert_parallel", engine_int_key(&engine_config::expert_parallel)},
       {"engine", "kv_mb", int_key(&server_config::kv_mb)},
       {"engine", "chat_template", string_key(&server_config::chat_template)},
       {"engine", "device",
@@ -263,8 +264,10 @@ std::string validate(const server_config& c) {
     return range_error("engine.tensor_parallel", "--tensor-parallel", "in [1, 64]", std::to_string(e.tensor_parallel));
   if (e.pipeline_parallel < 1 || e.pipeline_parallel > 64)
     return range_error("engine.pipeline_parallel", "--pipeline-parallel", "in [1, 64]", std::to_string(e.pipeline_parallel));
-  if (e.tensor_parallel > 1 && e.pipeline_parallel > 1)
-    return "engine.tensor_parallel and engine.pipeline_parallel (--tensor-parallel, --pipeline-parallel) cannot both be > 1 yet";
+  if (e.expert_parallel < 1 || e.expert_parallel > 64)
+    return range_error("engine.expert_parallel", "--expert-parallel", "in [1, 64]", std::to_string(e.expert_parallel));
+  if ((e.tensor_parallel > 1) + (e.pipeline_parallel > 1) + (e.expert_parallel > 1) > 1)
+    return "engine.tensor_parallel, pipeline_parallel and expert_parallel (--tensor-parallel, --pipeline-parallel, --expert-parallel): one of them > 1 at most, yet";
   try {
     parse_device(e.device);
   } catch (const std::invalid_argument&) {
@@ -363,7 +366,7 @@ std::string describe(const server_config& c) {
     << "\naffinity_blocks = " << c.replica_affinity_blocks << "\n"
     << "[engine]\n"
     << "model = " << quote(e.model_path) << "\nthreads = " << e.n_threads << "\nctx_size = " << e.n_ctx
-    << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\ntensor_parallel = " << e.tensor_parallel << "\npipeline_parallel = " << e.pipeline_parallel << "\nkv_mb = " << c.kv_mb
+    << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\ntensor_parallel = " << e.tensor_parallel << "\npipeline_parallel = " << e.pipeline_parallel << "\nexpert_parallel = " << e.expert_parallel << "\nkv_mb = " << c.kv_mb
     << "\ndevice = " << quote(e.device) << "\nchat_template = " << quote(c.chat_template) << "\n"
     << "[scheduler]\n"
     << "max_num_seqs = " << c.max_num_seqs << "\nmax_waiting = " << c.max_waiting << "\nmax_waiting_tokens = " << c.max_waiting_tokens

@@ -122,6 +122,67 @@ void cpu_forward::plan_attention(int64_t n, int64_t window, attn_plan& plan) {
   grow(attn_scratch_, nth * scratch_per_thread_);
 }
 
+// Mixture of experts (Mixtral's routing, as llama.cpp): the router's softmax over every expert,
+// each row's n_experts_used most probable (ties: the lower index), their probabilities
+// renormalized to sum 1. Each expert this forward holds takes the rows routed to it, gathered,
+// through its SwiGLU; its outputs are added back weighted, a row's experts in index order (so a
+// row's result does not depend on the batch). An expert-parallel shard holds some experts: its
+// sums are partial, completed by the all-reduce that follows.
+void cpu_forward::moe_ffn(const layer_weights& L, int64_t n) {
+  const auto& hp = hp_;
+  const int64_t d = hp.d_model, n_e = hp.n_experts, k = hp.n_experts_used, ff = hp.d_ff;
+  grow(router_, n * n_e);
+  kernels::matmul(L.router, h_.data(), d, n, router_.data(), n_e, pool_);
+  route_e_.resize((size_t)(n * k));
+  route_w_.resize((size_t)(n * k));
+  pool_.parallel_for(n, 16, [&](int64_t r0, int64_t r1, int) {
+    std::vector<int32_t> order((size_t)n_e);
+    for (int64_t r = r0; r < r1; ++r) {
+      float* p = &router_[(size_t)(r * n_e)];
+      const float mx = *std::max_element(p, p + n_e);
+      float sum = 0;
+      for (int64_t e = 0; e < n_e; ++e) sum += p[e] = std::exp(p[e] - mx);
+      for (int64_t e = 0; e < n_e; ++e) p[e] /= sum;
+      for (int64_t e = 0; e < n_e; ++e) order[(size_t)e] = (int32_t)e;
+      std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+      float wsum = 0;
+      for (int64_t j = 0; j < k; ++j) wsum += p[order[(size_t)j]];
+      for (int64_t j = 0; j < k; ++j) {
+        route_e_[(size_t)(r * k + j)] = order[(size_t)j];
+        route_w_[(size_t)(r * k + j)] = p[order[(size_t)j]] / wsum;
+      }
+    }
+  });
+  grow(moe_x_, n * d);
+  grow(moe_y_, n * d);
+  moe_out_.assign((size_t)(n * d), 0.0f);
+  for (size_t le = 0; le < L.expert_gate.size(); ++le) {
+    const int32_t e = L.expert_begin + (int32_t)le;
+    moe_rows_.clear();
+    std::vector<float> weights;
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t j = 0; j < k; ++j)
+        if (route_e_[(size_t)(r * k + j)] == e) {
+          moe_rows_.push_back((int32_t)r);
+          weights.push_back(route_w_[(size_t)(r * k + j)]);
+        }
+    const auto m = (int64_t)moe_rows_.size();
+    if (m == 0) continue;
+    for (int64_t i = 0; i < m; ++i) std::copy_n(&h_[(size_t)(moe_rows_[(size_t)i] * d)], d, &moe_x_[(size_t)(i * d)]);
+    const kernels::matmul_out gate_up[2] = {{L.expert_gate[le], gate_.data(), ff}, {L.expert_up[le], up_.data(), ff}};
+    kernels::matmul_batch(gate_up, moe_x_.data(), d, m, pool_);
+    kernels::swiglu(gate_.data(), up_.data(), m * ff);
+    kernels::matmul(L.expert_down[le], gate_.data(), ff, m, moe_y_.data(), d, pool_);
+    for (int64_t i = 0; i < m; ++i) {
+      float* out = &moe_out_[(size_t)(moe_rows_[(size_t)i] * d)];
+      const float* y = &moe_y_[(size_t)(i * d)];
+      const float w = weights[(size_t)i];
+      for (int64_t c = 0; c < d; ++c) out[c] += w * y[c];
+    }
+  }
+  std::copy_n(moe_out_.begin(), n * d, h_.begin());
+}
+
 // h_ = RMSNorm(h_) * w, row by row (Gemma's norm of each block's output before the residual add).
 void cpu_forward::post_norm(const std::vector<float>& w, int64_t n) {
   const auto& hp = hp_;
@@ -235,22 +296,26 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch,
       }
     });
     kernels::matmul(L.wo, o_.data(), qd, n, h_.data(), d, pool_);
-    if (comm_) comm_->all_reduce_sum(h_.data(), (size_t)(n * d));  // the ranks' heads' partial sums
+    if (comm_ && shard_->split_attention) comm_->all_reduce_sum(h_.data(), (size_t)(n * d));  // the ranks' heads' partial sums
     if (!L.post_attn_norm.empty()) post_norm(L.post_attn_norm, n);
     for (int64_t i = 0; i < n * d; ++i) x_[(size_t)i] += h_[(size_t)i];
 
-    // Feed-forward block: norm, SwiGLU, down projection, residual.
+    // Feed-forward block: norm, SwiGLU (or the mixture of experts), down projection, residual.
     pool_.parallel_for(n, 8, [&](int64_t r0, int64_t r1, int) {
       for (int64_t r = r0; r < r1; ++r) kernels::rmsnorm_row(&x_[(size_t)(r * d)], L.ffn_norm.data(), &h_[(size_t)(r * d)], d, hp.norm_eps);
     });
-    const kernels::matmul_out gate_up[2] = {{L.w_gate, gate_.data(), hp.d_ff}, {L.w_up, up_.data(), hp.d_ff}};
-    kernels::matmul_batch(gate_up, h_.data(), d, n, pool_);
-    pool_.parallel_for(n, 4, [&](int64_t r0, int64_t r1, int) {
-      if (hp.gemma) kernels::geglu(&gate_[(size_t)(r0 * hp.d_ff)], &up_[(size_t)(r0 * hp.d_ff)], (r1 - r0) * hp.d_ff);
-      else kernels::swiglu(&gate_[(size_t)(r0 * hp.d_ff)], &up_[(size_t)(r0 * hp.d_ff)], (r1 - r0) * hp.d_ff);
-    });
-    kernels::matmul(L.w_down, gate_.data(), hp.d_ff, n, h_.data(), d, pool_);
-    if (comm_) comm_->all_reduce_sum(h_.data(), (size_t)(n * d));  // the ranks' feed-forward columns' partial sums
+    if (hp.n_experts > 0) {
+      moe_ffn(L, n);
+    } else {
+      const kernels::matmul_out gate_up[2] = {{L.w_gate, gate_.data(), hp.d_ff}, {L.w_up, up_.data(), hp.d_ff}};
+      kernels::matmul_batch(gate_up, h_.data(), d, n, pool_);
+      pool_.parallel_for(n, 4, [&](int64_t r0, int64_t r1, int) {
+        if (hp.gemma) kernels::geglu(&gate_[(size_t)(r0 * hp.d_ff)], &up_[(size_t)(r0 * hp.d_ff)], (r1 - r0) * hp.d_ff);
+        else kernels::swiglu(&gate_[(size_t)(r0 * hp.d_ff)], &up_[(size_t)(r0 * hp.d_ff)], (r1 - r0) * hp.d_ff);
+      });
+      kernels::matmul(L.w_down, gate_.data(), hp.d_ff, n, h_.data(), d, pool_);
+    }
+    if (comm_) comm_->all_reduce_sum(h_.data(), (size_t)(n * d));  // the ranks' feed-forward columns' (or experts') partial sums
     if (!L.post_ffn_norm.empty()) post_norm(L.post_ffn_norm, n);
     for (int64_t i = 0; i < n * d; ++i) x_[(size_t)i] += h_[(size_t)i];
   }

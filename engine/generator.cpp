@@ -37,8 +37,10 @@ const char* to_string(finish_reason r) {
 generator::generator(const model& m, const generator_options& opt)
     : m_(m), opt_(opt), n_ctx_(opt.n_ctx > 0 ? opt.n_ctx : m.hparams().n_ctx_train),
       pool_(std::make_unique<kernels::thread_pool>(opt.n_threads < 1 ? 1 : opt.n_threads)) {
-  if (opt.tensor_parallel > 1 && opt.pipeline_parallel > 1)
-    throw std::invalid_argument("tensor and pipeline parallelism cannot be combined yet");
+  if ((opt.tensor_parallel > 1) + (opt.pipeline_parallel > 1) + (opt.expert_parallel > 1) > 1)
+    throw std::invalid_argument("tensor, pipeline and expert parallelism cannot be combined yet");
+  if (opt.expert_parallel > 1)
+    if (std::string err = expert_parallel_error(m, opt.expert_parallel); !err.empty()) throw std::invalid_argument(err);
   if (opt.tensor_parallel > 1)
     if (std::string err = tensor_parallel_error(m, opt.tensor_parallel); !err.empty()) throw std::invalid_argument(err);
   if (opt.pipeline_parallel > 1) split_layers(m.hparams().n_layers, opt.pipeline_parallel);  // throws when it does not split
@@ -57,6 +59,9 @@ void generator::ensure_kv(int64_t n_blocks) {
   if (opt_.tensor_parallel > 1) {
     const int per_rank = std::max(1, opt_.n_threads / opt_.tensor_parallel);
     tp_ = std::make_unique<tp_cpu_forward>(m_, opt_.tensor_parallel, shape, (int32_t)n_blocks, 1, per_rank);
+  } else if (opt_.expert_parallel > 1) {
+    const int per_rank = std::max(1, opt_.n_threads / opt_.expert_parallel);
+    tp_ = std::make_unique<tp_cpu_forward>(m_, opt_.expert_parallel, shape, (int32_t)n_blocks, 1, per_rank, parallel_split::expert);
   } else if (opt_.pipeline_parallel > 1) {
     const int per_stage = std::max(1, opt_.n_threads / opt_.pipeline_parallel);
     pp_ = std::make_unique<pp_cpu_forward>(m_, opt_.pipeline_parallel, shape, (int32_t)n_blocks, 1, per_stage);

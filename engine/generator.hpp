@@ -49,6 +49,7 @@ struct generator_options {
   int n_batch = 512;    // max tokens per step
   int tensor_parallel = 1;  // > 1: the forward split over this many ranks (engine/tensor_parallel.hpp), threads shared
   int pipeline_parallel = 1;  // > 1: the layers split over this many stages (engine/pipeline_parallel.hpp), threads shared
+  int expert_parallel = 1;    // > 1: a mixture of experts' experts split over this many ranks, threads shared
 };
 
 class generator {

@@ -40,6 +40,27 @@ kernels::weight_view matrix(const gguf_file& f, const std::string& name, int64_t
   return w;
 }
 
+// A stack of n_expert matrices of n_out rows of n_in weights (a 3-D tensor), one view per matrix.
+std::vector<kernels::weight_view> matrices(const gguf_file& f, const std::string& name, int64_t n_in, int64_t n_out,
+                                           int64_t n_expert, std::vector<std::unique_ptr<uint8_t[]>>& owned) {
+  const int64_t ne[3] = {n_in, n_out, n_expert};
+  const gguf_tensor& t = f.tensor(name, ne);
+  const uint8_t* data = t.data;
+  kernels::dtype type = t.type;
+  if (t.type == kernels::dtype::q5_0) {
+    const int64_t n_blocks = n_in * n_out * n_expert / 32;
+    owned.push_back(std::make_unique<uint8_t[]>((size_t)n_blocks * sizeof(kernels::block_q8_0)));
+    kernels::repack_q5_0_to_q8_0(reinterpret_cast<const kernels::block_q5_0*>(t.data),
+                                 reinterpret_cast<kernels::block_q8_0*>(owned.back().get()), n_blocks);
+    type = kernels::dtype::q8_0;
+    data = owned.back().get();
+  }
+  std::vector<kernels::weight_view> out;
+  const auto stride = (size_t)kernels::row_bytes(kernels::traits(type), n_in);
+  for (int64_t e = 0; e < n_expert; ++e) out.push_back({type, data + (size_t)(e * n_out) * stride, n_out, n_in, stride});
+  return out;
+}
+
 // A 1-D tensor of n values, as floats.
 std::vector<float> vector_f32(const gguf_file& f, const std::string& name, int64_t n) {
   const int64_t ne[1] = {n};
@@ -89,6 +110,11 @@ std::unique_ptr<model> model::load(const std::string& path) {
   if (hp.n_rot <= 0 || hp.n_rot > hp.head_dim || hp.n_rot % 2) fail(f, "impossible rope.dimension_count " + std::to_string(hp.n_rot));
   if (hp.head_dim % 8) fail(f, "head size " + std::to_string(hp.head_dim) + " is not a multiple of 8");
   if (!(hp.norm_eps > 0) || !(hp.rope_base > 0)) fail(f, "impossible rms epsilon or rope base");
+  hp.n_experts = (int)f.get_int(a + "expert_count").value_or(0);
+  hp.n_experts_used = (int)f.get_int(a + "expert_used_count").value_or(0);
+  if (hp.n_experts < 0 || hp.n_experts > 1024 || (hp.n_experts > 0 && (hp.n_experts_used < 1 || hp.n_experts_used > hp.n_experts)))
+    fail(f, "impossible expert_count " + std::to_string(hp.n_experts) + " / expert_used_count " + std::to_string(hp.n_experts_used));
+  if (hp.n_experts > 0 && hp.gemma) fail(f, "a mixture of experts is supported for llama-family models only");
   if (hp.gemma) {
     // As llama.cpp: every 6th layer attends globally (RoPE base from the file), the others to a
     // sliding window (base 10000); the 27B model (62 layers) scales queries by
@@ -124,9 +150,16 @@ std::unique_ptr<model> model::load(const std::string& path) {
     l.wk = matrix(f, p + "attn_k.weight", d, kv_dim, m->owned_);
     l.wv = matrix(f, p + "attn_v.weight", d, kv_dim, m->owned_);
     l.wo = matrix(f, p + "attn_output.weight", q_dim, d, m->owned_);
-    l.w_gate = matrix(f, p + "ffn_gate.weight", d, hp.d_ff, m->owned_);
-    l.w_up = matrix(f, p + "ffn_up.weight", d, hp.d_ff, m->owned_);
-    l.w_down = matrix(f, p + "ffn_down.weight", hp.d_ff, d, m->owned_);
+    if (hp.n_experts > 0) {
+      l.router = matrix(f, p + "ffn_gate_inp.weight", d, hp.n_experts, m->owned_);
+      l.expert_gate = matrices(f, p + "ffn_gate_exps.weight", d, hp.d_ff, hp.n_experts, m->owned_);
+      l.expert_up = matrices(f, p + "ffn_up_exps.weight", d, hp.d_ff, hp.n_experts, m->owned_);
+      l.expert_down = matrices(f, p + "ffn_down_exps.weight", hp.d_ff, d, hp.n_experts, m->owned_);
+    } else {
+      l.w_gate = matrix(f, p + "ffn_gate.weight", d, hp.d_ff, m->owned_);
+      l.w_up = matrix(f, p + "ffn_up.weight", d, hp.d_ff, m->owned_);
+      l.w_down = matrix(f, p + "ffn_down.weight", hp.d_ff, d, m->owned_);
+    }
     if (hp.gemma) {
       l.q_norm = vector_f32(f, p + "attn_q_norm.weight", hp.head_dim);
       l.k_norm = vector_f32(f, p + "attn_k_norm.weight", hp.head_dim);
@@ -146,8 +179,13 @@ std::unique_ptr<model> model::load(const std::string& path) {
 size_t model::weight_bytes_per_token() const {
   auto bytes = [](const kernels::weight_view& w) { return w.row_stride * (size_t)w.n_out; };
   size_t n = bytes(output_);
-  for (const auto& l : layers_)
+  for (const auto& l : layers_) {
     n += bytes(l.wq) + bytes(l.wk) + bytes(l.wv) + bytes(l.wo) + bytes(l.w_gate) + bytes(l.w_up) + bytes(l.w_down);
+    // A mixture of experts reads the router and, per token, the experts it uses.
+    n += bytes(l.router);
+    for (size_t e = 0; e < l.expert_gate.size() && (int)e < hp_.n_experts_used; ++e)
+      n += bytes(l.expert_gate[e]) + bytes(l.expert_up[e]) + bytes(l.expert_down[e]);
+  }
   return n;
 }
 

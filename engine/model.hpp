@@ -34,6 +34,10 @@ struct model_hparams {
   float attn_scale = 0;         // softmax scale of QK^T; 0: 1/sqrt(head_dim)
   int sliding_window = 0;       // positions a sliding-window layer attends to (itself included); 0: none
   float rope_base_swa = 10000;  // RoPE base of the sliding-window layers
+  // Mixture of experts (Mixtral-style, llama.cpp's `{arch}.expert_count`): every layer's
+  // feed-forward is n_experts SwiGLU experts of width d_ff, each token going through the
+  // n_experts_used with the highest router probability, weighted by them renormalized to sum 1.
+  int n_experts = 0, n_experts_used = 0;
 };
 
 struct layer_weights {
@@ -43,7 +47,13 @@ struct layer_weights {
   bool sliding = false;                               // attends to the last hparams.sliding_window positions only
   std::vector<float> bq, bk, bv;  // empty when the model has no attention biases
   kernels::weight_view wq, wk, wv, wo;
-  kernels::weight_view w_gate, w_up, w_down;
+  kernels::weight_view w_gate, w_up, w_down;  // dense feed-forward (unset in a mixture-of-experts layer)
+  // Mixture of experts: the router (n_experts rows of d_model) and the experts this holds,
+  // [expert_begin, expert_begin + expert_gate.size()) of the model's (all of them, but for an
+  // expert-parallel shard).
+  kernels::weight_view router;
+  int expert_begin = 0;
+  std::vector<kernels::weight_view> expert_gate, expert_up, expert_down;
 };
 
 class model {

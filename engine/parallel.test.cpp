@@ -262,3 +262,30 @@ TEST_CASE("tensor and pipeline parallel: a bad batch is refused before the ranks
   check(pp);
   CHECK_THROWS_AS(pp_cpu_forward(*m, 3, full, 4, 1, 1), std::invalid_argument);
 }
+
+// --- expert parallel -----------------------------------------------------------------------------
+
+TEST_CASE("expert parallel: a mixture of experts on 2 and 4 ranks matches 1 rank", "[engine][ep]") {
+  auto m = load("tests/fixtures/generated/llama_moe_q8_0.gguf");  // 4 experts, 2 per token, Q8_0
+  const auto& hp = m->hparams();
+  REQUIRE(hp.n_experts == 4);
+  REQUIRE(hp.n_experts_used == 2);
+  const auto ref = unsharded(*m, 8);
+  for (int n : {2, 4}) {
+    INFO(n << " ranks");
+    tp_cpu_forward fwd(*m, n, {hp.n_layers, hp.n_kv_heads, hp.head_dim, 16}, 8, 1, 1, parallel_split::expert);
+    // Each rank sums its experts' weighted outputs; the all-reduce adds the ranks': only the order
+    // of the float sums differs from one rank (then re-rounded to 8 bits by the next layer).
+    CHECK(worst_rel(run_steps(fwd, hp.n_vocab), ref) < 0.02);
+  }
+}
+
+TEST_CASE("expert parallel: models that do not split by experts are refused with the reason", "[engine][ep]") {
+  auto moe = load("tests/fixtures/generated/llama_moe_q8_0.gguf");
+  auto dense = load("models/default.gguf");
+  CHECK(expert_parallel_error(*moe, 2).empty());
+  CHECK_THAT(expert_parallel_error(*moe, 3), Catch::Contains("4 experts do not split into 3"));
+  CHECK_THAT(expert_parallel_error(*dense, 2), Catch::Contains("needs a mixture-of-experts model"));
+  CHECK_THAT(tensor_parallel_error(*moe, 2), Catch::Contains("splits by experts"));
+  CHECK_THROWS_AS(shard_experts(*dense, 0, 2), std::invalid_argument);
+}

@@ -45,6 +45,7 @@ std::string tensor_parallel_error(const model& m, int n) {
   const auto& hp = m.hparams();
   const std::string of = " does not split into " + std::to_string(n) + " tensor-parallel ranks";
   if (n < 1) return "tensor parallel needs at least one rank";
+  if (hp.n_experts > 0) return "a mixture-of-experts model splits by experts (expert parallel), not by tensor";
   if (hp.n_heads % n != 0) return std::to_string(hp.n_heads) + " attention heads" + of;
   if (hp.n_kv_heads % n != 0) return std::to_string(hp.n_kv_heads) + " KV heads" + of;
   if (hp.d_ff % n != 0) return "a feed-forward width of " + std::to_string(hp.d_ff) + of;
@@ -89,6 +90,35 @@ model_shard shard_model(const model& m, int rank, int n) {
   return s;
 }
 
+std::string expert_parallel_error(const model& m, int n) {
+  const auto& hp = m.hparams();
+  if (n < 1) return "expert parallel needs at least one rank";
+  if (hp.n_experts == 0) return "expert parallel needs a mixture-of-experts model ('" + hp.name + "' has no experts)";
+  if (hp.n_experts % n != 0) return std::to_string(hp.n_experts) + " experts do not split into " + std::to_string(n) + " expert-parallel ranks";
+  return {};
+}
+
+model_shard shard_experts(const model& m, int rank, int n) {
+  if (std::string err = expert_parallel_error(m, n); !err.empty()) throw std::invalid_argument(err);
+  if (rank < 0 || rank >= n) throw std::invalid_argument("no rank " + std::to_string(rank) + " of " + std::to_string(n));
+  model_shard s;
+  s.rank = rank;
+  s.n_ranks = n;
+  s.split_attention = false;
+  s.hp = m.hparams();
+  const int per = s.hp.n_experts / n;
+  for (int il = 0; il < s.hp.n_layers; ++il) {
+    layer_weights r = m.layer(il);
+    auto keep = [&](std::vector<kernels::weight_view>& v) { v = {v.begin() + rank * per, v.begin() + (rank + 1) * per}; };
+    keep(r.expert_gate);
+    keep(r.expert_up);
+    keep(r.expert_down);
+    r.expert_begin = rank * per;
+    s.layers.push_back(std::move(r));
+  }
+  return s;
+}
+
 kv_shape shard_kv_shape(const kv_shape& full, int n) {
   kv_shape s = full;
   s.n_kv_heads = full.n_kv_heads / n;
@@ -104,19 +134,21 @@ struct tp_cpu_forward::rank_state {
   cpu_forward fwd;
   std::thread thread;
   std::exception_ptr error;  // of the last step
-  rank_state(const model& m, int rank, int n, const kv_shape& full, int32_t n_blocks, int32_t n_host, int threads, communicator& comm)
-      : shard(shard_model(m, rank, n)),
+  rank_state(const model& m, int rank, int n, const kv_shape& full, int32_t n_blocks, int32_t n_host, int threads, communicator& comm,
+             parallel_split split)
+      : shard(split == parallel_split::tensor ? shard_model(m, rank, n) : shard_experts(m, rank, n)),
         pool(threads),
-        device(shard_kv_shape(full, n), n_blocks),
-        host(shard_kv_shape(full, n), std::max(n_host, 1)),
+        device(split == parallel_split::tensor ? shard_kv_shape(full, n) : full, n_blocks),
+        host(split == parallel_split::tensor ? shard_kv_shape(full, n) : full, std::max(n_host, 1)),
         fwd(m, device, pool, {&shard, &comm}) {}
 };
 
-tp_cpu_forward::tp_cpu_forward(const model& m, int n, const kv_shape& full, int32_t n_blocks, int32_t n_host_blocks, int threads_per_rank)
+tp_cpu_forward::tp_cpu_forward(const model& m, int n, const kv_shape& full, int32_t n_blocks, int32_t n_host_blocks, int threads_per_rank,
+                               parallel_split split)
     : group_(std::make_unique<local_group>(n)) {
   if (threads_per_rank < 1) throw std::invalid_argument("tensor parallel: each rank needs at least one thread");
   for (int r = 0; r < n; ++r)
-    ranks_.push_back(std::make_unique<rank_state>(m, r, n, full, n_blocks, n_host_blocks, threads_per_rank, group_->rank(r)));
+    ranks_.push_back(std::make_unique<rank_state>(m, r, n, full, n_blocks, n_host_blocks, threads_per_rank, group_->rank(r), split));
   for (auto& r : ranks_) r->thread = std::thread([this, rs = r.get()] { worker(*rs); });
 }
 

@@ -35,6 +35,7 @@ namespace troupe::engine {
 /// per-layer weights (views into the model's).
 struct model_shard {
   int rank = 0, n_ranks = 1;
+  bool split_attention = true;  // false: expert parallel (attention replicated, the experts split)
   model_hparams hp;
   std::vector<layer_weights> layers;
 };
@@ -49,12 +50,24 @@ model_shard shard_model(const model& m, int rank, int n_ranks);
 /// The KV shape of one rank: its KV heads only.
 kv_shape shard_kv_shape(const kv_shape& full, int n_ranks);
 
+/// Expert parallelism for a mixture-of-experts model: each rank holds n_experts / N experts of
+/// every layer and runs the rest (attention, router, norms) replicated; a layer's output is the
+/// all-reduced sum of the ranks' experts' contributions. Empty when `m` splits, else why not.
+std::string expert_parallel_error(const model& m, int n_ranks);
+/// Rank `rank` of `n_ranks` experts. Throws std::invalid_argument with expert_parallel_error's text.
+model_shard shard_experts(const model& m, int rank, int n_ranks);
+
+enum class parallel_split : uint8_t { tensor, expert };
+
 /// N ranks of the CPU forward, each on its own thread with its own kernel thread pool and KV
 /// storage (device and host pools of its KV heads), joined by a local_group. One step at a time.
 class tp_cpu_forward {
  public:
   /// `full`: the unsharded KV shape; every rank holds n_blocks (and n_host_blocks) blocks of its share.
-  tp_cpu_forward(const model& m, int n_ranks, const kv_shape& full, int32_t n_blocks, int32_t n_host_blocks, int threads_per_rank);
+  /// `split`: heads and feed-forward columns (tensor), or experts (expert; each rank then holds
+  /// the whole KV cache, its attention being replicated).
+  tp_cpu_forward(const model& m, int n_ranks, const kv_shape& full, int32_t n_blocks, int32_t n_host_blocks, int threads_per_rank,
+                 parallel_split split = parallel_split::tensor);
   ~tp_cpu_forward();
   tp_cpu_forward(const tp_cpu_forward&) = delete;
   tp_cpu_forward& operator=(const tp_cpu_forward&) = delete;

@@ -14,6 +14,8 @@ void add_engine_options(CLI::App& cmd, config::engine_config& c) {
   cmd.add_option("-b,--batch-size", c.n_batch, "max tokens per forward step (prefill chunk)");
   cmd.add_option("--tensor-parallel,--tp", c.tensor_parallel,
                  "tensor-parallel ranks: the model's heads and feed-forward columns split over them (CPU: the threads are shared)");
+  cmd.add_option("--expert-parallel,--ep", c.expert_parallel,
+                 "expert-parallel ranks: a mixture of experts' experts split over them (CPU: the threads are shared)");
   cmd.add_option("--pipeline-parallel,--pp", c.pipeline_parallel,
                  "pipeline stages: the model's layers split over them, micro-batches flowing through (CPU: the threads are shared)");
 }

@@ -49,7 +49,7 @@ double copy_bandwidth_gbs() {  // read + write bytes of a large memcpy, best of 
 // Multiply-add throughput of the int8 kernels on the model's largest layer matrix with 64
 // activation rows, GFLOP/s: the compute ceiling of a decode step.
 double kernel_gflops(const engine::model& m, int n_threads) {
-  const auto& w = m.layer(0).w_gate;
+  const auto& w = m.layer(0).expert_gate.empty() ? m.layer(0).w_gate : m.layer(0).expert_gate[0];
   const int64_t rows = 64;
   std::vector<float> x((size_t)(rows * w.n_in), 0.5f), y((size_t)(rows * w.n_out));
   kernels::thread_pool pool(n_threads);
@@ -82,12 +82,16 @@ int run_load_bench(const load_opts& o) {
   eo.cuda_device = config::parse_device(ec.device);
   eo.tensor_parallel = ec.tensor_parallel;
   eo.pipeline_parallel = ec.pipeline_parallel;
+  eo.expert_parallel = ec.expert_parallel;
   const int n_vocab = probe->vocab().n_vocab();
   const size_t weight_bytes = probe->weight_bytes_per_token();
   int64_t n_params = probe->output().n_in * probe->output().n_out;
   for (int il = 0; il < probe->hparams().n_layers; ++il) {
     const auto& l = probe->layer(il);
     for (const auto* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) n_params += w->n_in * w->n_out;
+    if (!l.expert_gate.empty())  // the experts a token goes through
+      for (const auto* w : {&l.expert_gate[0], &l.expert_up[0], &l.expert_down[0]})
+        n_params += probe->hparams().n_experts_used * w->n_in * w->n_out;
   }
   probe.reset();
   auto eng = actors::engine_handle::start(eo);

@@ -69,6 +69,8 @@ class ModelSpec:
     rope_dim: int | None = None  # None: head_dim
     seed: int = 0
     embd_qtype: str | None = None  # token_embd / output type; None: qtype
+    n_expert: int = 0       # > 0: a Mixtral-style mixture of experts in every layer (llama arch)
+    n_expert_used: int = 0  # experts per token
 
     @property
     def embd_type(self) -> str:
@@ -84,6 +86,8 @@ class ModelSpec:
         need(min(self.n_layer, self.d_model, self.n_head, self.n_kv_head, self.head_dim,
                  self.d_ff, self.ctx) > 0, "sizes must be positive")
         need(self.n_head % self.n_kv_head == 0, "n_head must be a multiple of n_kv_head")
+        need(self.n_expert == 0 or (self.arch == "llama" and 0 < self.n_expert_used <= self.n_expert),
+             "a mixture of experts needs arch llama and 0 < n_expert_used <= n_expert")
         need(self.head_dim % 2 == 0, "head_dim must be even (RoPE rotates pairs)")
         rope_dim = self.rope_dim if self.rope_dim is not None else self.head_dim
         need(0 < rope_dim <= self.head_dim and rope_dim % 2 == 0,
@@ -136,6 +140,9 @@ PRESETS: dict[str, tuple[ModelSpec, bool]] = {
     "llama_q6_k": (_spec(qtype="q6_k", **_KQ, seed=17), True),
     # the default model's mix: q4_1 layers, q8_0 (tied) embeddings
     "llama_q4_1_embd_q8_0": (_spec(qtype="q4_1", embd_qtype="q8_0", seed=18), True),
+    # Mixtral-style mixture of experts: 4 experts, 2 per token (router in F32, as llama.cpp writes it)
+    "llama_moe_f32": (_spec(n_expert=4, n_expert_used=2, seed=30), True),
+    "llama_moe_q8_0": (_spec(qtype="q8_0", n_expert=4, n_expert_used=2, seed=31), True),
     # qwen2: NeoX RoPE and q/k/v biases
     "qwen2_f32_untied": (_spec(arch="qwen2", tied=False, seed=20), True),
     "qwen2_f32_mqa": (_spec(arch="qwen2", n_kv_head=1, seed=21), True),
@@ -318,6 +325,12 @@ def _weights(spec: ModelSpec) -> dict[str, np.ndarray]:
             w[p + "attn_v.bias"] = vec(n_kv, 0.0, 0.2)
         w[p + "attn_output.weight"] = mat(d, n_q)
         w[p + "ffn_norm.weight"] = vec(d, 1.0, 0.1)
+        if spec.n_expert:  # [n_expert, n_out, n_in]: GGUF ne = [n_in, n_out, n_expert]
+            w[p + "ffn_gate_inp.weight"] = mat(spec.n_expert, d, 2.0 / np.sqrt(d))
+            w[p + "ffn_gate_exps.weight"] = np.stack([mat(spec.d_ff, d) for _ in range(spec.n_expert)])
+            w[p + "ffn_up_exps.weight"] = np.stack([mat(spec.d_ff, d) for _ in range(spec.n_expert)])
+            w[p + "ffn_down_exps.weight"] = np.stack([mat(d, spec.d_ff) for _ in range(spec.n_expert)])
+            continue
         w[p + "ffn_gate.weight"] = mat(spec.d_ff, d)
         w[p + "ffn_up.weight"] = mat(spec.d_ff, d)
         w[p + "ffn_down.weight"] = mat(d, spec.d_ff)
@@ -349,6 +362,9 @@ def write_model(spec: ModelSpec, path: str | Path, name: str | None = None) -> P
     wr.add_feed_forward_length(spec.d_ff)
     wr.add_head_count(spec.n_head)
     wr.add_head_count_kv(spec.n_kv_head)
+    if spec.n_expert:
+        wr.add_expert_count(spec.n_expert)
+        wr.add_expert_used_count(spec.n_expert_used)
     if spec.head_dim * spec.n_head != spec.d_model:
         wr.add_key_length(spec.head_dim)
         wr.add_value_length(spec.head_dim)
@@ -369,10 +385,14 @@ def write_model(spec: ModelSpec, path: str | Path, name: str | None = None) -> P
     for tname, w in _weights(spec).items():
         if w.ndim == 1:
             wr.add_tensor(tname, w)
+        elif tname.endswith("ffn_gate_inp.weight"):  # the router stays F32 (llama.cpp's converters too)
+            wr.add_tensor(tname, w)
         else:
             embd = tname in ("token_embd.weight", "output.weight")
             qtype = QTYPES[spec.embd_type if embd else spec.qtype]
-            data = quantize(w, qtype)
+            rows = w.reshape(-1, w.shape[-1])  # an expert stack quantizes row by row like a matrix
+            data = quantize(rows, qtype)
+            data = data.reshape(*w.shape[:-1], data.shape[-1])
             wr.add_tensor(tname, data, raw_dtype=None if qtype in (QT.F32, QT.F16) else qtype)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()

@@ -452,3 +452,40 @@ TEST_CASE("two engines live side by side and either stops while the other serves
   CHECK(drain(*c->submit(p)).tokens == ref);
   require_no_leak(*c);
 }
+
+TEST_CASE("expert parallel over 2 ranks: a mixture of experts served through the executor equals the generator", "[actors][ep]") {
+  const auto path = (std::filesystem::path(TROUPE_SOURCE_DIR) / "tests/fixtures/generated/llama_moe_q8_0.gguf").string();
+  auto moe = engine::model::load(path);
+  std::vector<actors::generation_params> ps;
+  for (int i = 0; i < 4; ++i) {
+    actors::generation_params p;
+    for (int t = 0; t < 5 + 7 * i; ++t) p.prompt.push_back((engine::token_id)((t * 37 + i * 11) % 250 + 3));
+    p.sampling.temperature = 0;
+    p.sampling.ignore_eos = true;
+    p.max_tokens = 12;
+    ps.push_back(p);
+  }
+  engine::generator g(*moe, {2, 256, 16, 256, 1, 1, 2});
+  std::vector<std::vector<engine::token_id>> ref;
+  for (const auto& p : ps) {
+    engine::generation_request r{p.prompt, p.sampling, p.max_tokens};
+    ref.push_back(g.run(std::span(&r, 1))[0].tokens);
+  }
+  actors::engine_options o;
+  o.model_path = path;
+  o.n_threads = 2;
+  o.n_device_blocks = 64;
+  o.n_host_blocks = 64;
+  o.expert_parallel = 2;
+  auto eng = actors::engine_handle::start(o);
+  std::vector<std::shared_ptr<actors::generation_stream>> ss;
+  for (const auto& p : ps) ss.push_back(eng->submit(p));
+  for (size_t i = 0; i < ss.size(); ++i) {
+    auto out = drain(*ss[i]);
+    REQUIRE(out.final.type == actors::stream_event::kind::done);
+    CHECK(out.tokens == ref[i]);
+  }
+  require_no_leak(*eng);
+  o.expert_parallel = 3;
+  REQUIRE_THROWS_WITH(actors::engine_handle::start(o), Catch::Contains("4 experts do not split into 3"));
+}

@@ -26,6 +26,8 @@ size_t align_up(size_t n) { return (n + 255) & ~size_t{255}; }
 const model& supported(const model& m) {
   if (m.hparams().gemma)
     throw std::invalid_argument("the CUDA backend does not run '" + m.hparams().arch + "' models yet (sliding windows, QK-norm): use --device cpu");
+  if (m.hparams().n_experts > 0)
+    throw std::invalid_argument("the CUDA backend does not run mixture-of-experts models yet: use --device cpu");
   return m;
 }
 

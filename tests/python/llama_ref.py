@@ -63,6 +63,8 @@ class HParams:
     n_ctx_train: int
     n_vocab: int
     rope_style: str
+    n_expert: int = 0        # Mixtral-style mixture of experts (llama.cpp's build_moe_ffn: softmax
+    n_expert_used: int = 0   # router, top-k, weights renormalized to sum 1)
 
 
 def _field(reader: gguf.GGUFReader, key: str, default=None):
@@ -191,6 +193,8 @@ class RefModel:
             n_ctx_train=int(_field(reader, f"{arch}.context_length")),
             n_vocab=int(tensors["token_embd.weight"].shape[1]),
             rope_style=ROPE_STYLE[arch],
+            n_expert=int(_field(reader, f"{arch}.expert_count", 0)),
+            n_expert_used=int(_field(reader, f"{arch}.expert_used_count", 0)),
         )
         hp = self.hp
         if hp.n_head % hp.n_kv_head:
@@ -224,18 +228,28 @@ class RefModel:
         embd = raw("token_embd.weight", (hp.n_vocab, d))
         self.token_embd = embd[0].astype(self.dtype)  # get_rows dequantizes exactly: no rounding
         self.layers = []
+        def experts(name: str, n_out: int, n_in: int) -> list[_Linear]:
+            w, qt, data = raw(name, (hp.n_expert, n_out, n_in))
+            return [_Linear(w[e], qt, self.dtype, self.emulate, None, data[e]) for e in range(hp.n_expert)]
+
         for i in range(hp.n_layer):
             p = f"blk.{i}."
-            self.layers.append(dict(
+            L = dict(
                 attn_norm=raw(p + "attn_norm.weight", (d,))[0].astype(self.dtype),
                 q=linear(p + "attn_q", n_q, d), k=linear(p + "attn_k", n_k, d),
                 v=linear(p + "attn_v", n_v, d),
                 o=linear(p + "attn_output", d, hp.n_head * hp.head_dim_v),
                 ffn_norm=raw(p + "ffn_norm.weight", (d,))[0].astype(self.dtype),
-                gate=linear(p + "ffn_gate", hp.d_ff, d),
-                up=linear(p + "ffn_up", hp.d_ff, d),
-                down=linear(p + "ffn_down", d, hp.d_ff),
-            ))
+            )
+            if hp.n_expert:
+                L.update(router=linear(p + "ffn_gate_inp", hp.n_expert, d),
+                         gates=experts(p + "ffn_gate_exps.weight", hp.d_ff, d),
+                         ups=experts(p + "ffn_up_exps.weight", hp.d_ff, d),
+                         downs=experts(p + "ffn_down_exps.weight", d, hp.d_ff))
+            else:
+                L.update(gate=linear(p + "ffn_gate", hp.d_ff, d), up=linear(p + "ffn_up", hp.d_ff, d),
+                         down=linear(p + "ffn_down", d, hp.d_ff))
+            self.layers.append(L)
         self.output_norm = raw("output_norm.weight", (d,))[0].astype(self.dtype)
         self.tied = "output.weight" not in tensors
         self.output = linear("token_embd" if self.tied else "output", hp.n_vocab, d)
@@ -320,10 +334,35 @@ class RefModel:
             assert att.dtype == self.dtype, att.dtype  # a float64 slip would copy every weight
             x = x + L["o"](att)
             h = self._rms_norm(x, L["ffn_norm"])
-            g = L["gate"](h)
-            x = x + L["down"](g / (1.0 + np.exp(-g)) * L["up"](h))
+            if "router" in L:
+                x = x + self._moe(L, h)
+            else:
+                g = L["gate"](h)
+                x = x + L["down"](g / (1.0 + np.exp(-g)) * L["up"](h))
         cache["n"] = n_all
         return self.output(self._rms_norm(x, self.output_norm))
+
+    def _moe(self, L: dict, h: np.ndarray) -> np.ndarray:
+        """Mixtral's mixture of experts: softmax over the router's logits, the top n_expert_used
+        (ties: the lower index), their probabilities renormalized, each expert a SwiGLU."""
+        k = self.hp.n_expert_used
+        logits = L["router"](h)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        top = np.argsort(-p, axis=1, kind="stable")[:, :k]
+        w = np.take_along_axis(p, top, 1)
+        w /= w.sum(1, keepdims=True)
+        out = np.zeros_like(h)
+        for e in range(self.hp.n_expert):
+            sel = top == e
+            rows = sel.any(1)
+            if not rows.any():
+                continue
+            he = h[rows]
+            g = L["gates"][e](he)
+            y = L["downs"][e](g / (1.0 + np.exp(-g)) * L["ups"][e](he))
+            out[rows] += (w * sel).sum(1)[rows][:, None].astype(self.dtype) * y
+        return out
 
     def _check_tokens(self, tokens) -> np.ndarray:
         t = np.asarray(tokens, dtype=np.int64).reshape(-1)

@@ -171,18 +171,23 @@ def test_tiny_greedy(tiny_dir, name):
 
 
 # The tiny presets' float types (quantized ones: the default model below): heads, KV heads and
-# feed-forward columns in 2 and 4, qwen2's q/k/v biases sliced with their rows.
-@pytest.mark.parametrize("name,ranks", [("llama_f32_gqa2", 2), ("llama_f32_mha_untied", 4), ("llama_f32_4layer_vocab384", 2),
-                                        ("llama_f16", 2), ("llama_bf16_untied", 2), ("qwen2_f32_untied", 2),
-                                        ("qwen2_f16_mha", 4)])
-def test_tiny_logits_tensor_parallel(tiny_dir, name, ranks, tmp_path):
+# feed-forward columns in 2 and 4, qwen2's q/k/v biases sliced with their rows; and the mixture of
+# experts split by experts (expert parallel) in 2 and 4.
+@pytest.mark.parametrize("name,flags", [
+    ("llama_f32_gqa2", ("--tensor-parallel", "2")), ("llama_f32_mha_untied", ("--tensor-parallel", "4")),
+    ("llama_f32_4layer_vocab384", ("--tensor-parallel", "2")), ("llama_f16", ("--tensor-parallel", "2")),
+    ("llama_bf16_untied", ("--tensor-parallel", "2")), ("qwen2_f32_untied", ("--tensor-parallel", "2")),
+    ("qwen2_f16_mha", ("--tensor-parallel", "4")),
+    ("llama_moe_f32", ("--expert-parallel", "2")), ("llama_moe_q8_0", ("--expert-parallel", "4")),
+])
+def test_tiny_logits_split(tiny_dir, name, flags, tmp_path):
     _troupe_bin()
     path = tiny_dir / f"{name}.gguf"
     tokens = lr.tiny_prompts()[37]
     want = _ref_logits(str(path), tuple(tokens))
-    got = troupe_logits(path, tokens, want.shape[1], tmp_path, ("--tensor-parallel", str(ranks)))
+    got = troupe_logits(path, tokens, want.shape[1], tmp_path, flags)
     tol = lr.rel_tolerance(path)
-    _check_logits(got, want, tol, 2 * tol, f"{name}, {ranks} ranks")
+    _check_logits(got, want, tol, 2 * tol, f"{name}, {' '.join(flags)}")
 
 
 # ---- the default model ------------------------------------------------------------------------
@@ -247,9 +252,14 @@ def test_generator_writes_llamacpp_layout(tiny_dir):
         names = {t.name: t for t in r.tensors}
         assert ("output.weight" in names) == (not spec.tied), name
         for t in r.tensors:
-            want = "F32" if len(t.shape) == 1 else (
+            want = "F32" if len(t.shape) == 1 or t.name.endswith("ffn_gate_inp.weight") else (
                 spec.embd_type if t.name in ("token_embd.weight", "output.weight") else spec.qtype)
             assert t.tensor_type.name == want.upper(), (name, t.name)
+        if spec.n_expert:  # Mixtral's layout: a router and three expert stacks per layer, no dense FFN
+            assert kv[f"{a}.expert_count"] == spec.n_expert and kv[f"{a}.expert_used_count"] == spec.n_expert_used
+            assert [int(n) for n in names["blk.0.ffn_gate_exps.weight"].shape] == [spec.d_model, spec.d_ff, spec.n_expert]
+            assert [int(n) for n in names["blk.0.ffn_down_exps.weight"].shape] == [spec.d_ff, spec.d_model, spec.n_expert]
+            assert "blk.0.ffn_gate.weight" not in names
         biases = {n for n in names if n.endswith(".bias")}
         assert len(biases) == (3 * spec.n_layer if a == "qwen2" else 0), name
         assert r.fields["tokenizer.ggml.model"].contents() == "gpt2"
