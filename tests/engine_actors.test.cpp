@@ -82,6 +82,30 @@ void require_no_leak(actors::engine_handle& eng) {
   REQUIRE(s.n_free_host == s.n_host_blocks);
 }
 
+// Each request alone through the plain generator with options `go`: the reference outputs.
+std::vector<std::vector<engine::token_id>> alone_each(const engine::model& m, const engine::generator_options& go,
+                                                      const std::vector<actors::generation_params>& ps) {
+  engine::generator g(m, go);
+  std::vector<std::vector<engine::token_id>> ref;
+  for (const auto& p : ps) {
+    engine::generation_request r{p.prompt, p.sampling, p.max_tokens};
+    ref.push_back(g.run(std::span(&r, 1))[0].tokens);
+  }
+  return ref;
+}
+
+// Submits every request at once; each must finish with its reference's tokens.
+void expect_outputs(actors::engine_handle& eng, const std::vector<actors::generation_params>& ps,
+                    const std::vector<std::vector<engine::token_id>>& ref) {
+  std::vector<std::shared_ptr<actors::generation_stream>> ss;
+  for (const auto& p : ps) ss.push_back(eng.submit(p));
+  for (size_t i = 0; i < ss.size(); ++i) {
+    auto out = drain(*ss[i]);
+    REQUIRE(out.final.type == actors::stream_event::kind::done);
+    CHECK(out.tokens == ref[i]);
+  }
+}
+
 actors::engine_options options() {
   actors::engine_options o;
   o.model_path = model_path();
@@ -133,24 +157,13 @@ namespace {
 void check_tiny_pool(actors::engine_options o, const engine::generator_options& ref_opts, actors::preemption_mode mode) {
   std::vector<actors::generation_params> ps;
   for (int i = 0; i < 6; ++i) ps.push_back(greedy(prompts[i], 24));
-  std::vector<std::vector<engine::token_id>> ref;
-  engine::generator g(plain_model(), ref_opts);
-  for (const auto& p : ps) {
-    engine::generation_request r{p.prompt, p.sampling, p.max_tokens};
-    ref.push_back(g.run(std::span(&r, 1))[0].tokens);
-  }
+  const auto ref = alone_each(plain_model(), ref_opts, ps);
   o.n_device_blocks = 9;
   o.n_host_blocks = 64;
   o.sched.preemption = mode;
   o.sched.kv_watermark_blocks = 0;
   auto eng = actors::engine_handle::start(o);
-  std::vector<std::shared_ptr<actors::generation_stream>> ss;
-  for (const auto& p : ps) ss.push_back(eng->submit(p));
-  for (size_t i = 0; i < ss.size(); ++i) {
-    auto out = drain(*ss[i]);
-    REQUIRE(out.final.type == actors::stream_event::kind::done);
-    CHECK(out.tokens == ref[i]);
-  }
+  expect_outputs(*eng, ps, ref);
   const auto st = eng->stats();
   if (mode == actors::preemption_mode::swap) CHECK(st.sched.n_preempted_swap > 0);
   else CHECK(st.sched.n_preempted_recompute > 0);
@@ -465,12 +478,7 @@ TEST_CASE("expert parallel over 2 ranks: a mixture of experts served through the
     p.max_tokens = 12;
     ps.push_back(p);
   }
-  engine::generator g(*moe, {2, 256, 16, 256, 1, 1, 2});
-  std::vector<std::vector<engine::token_id>> ref;
-  for (const auto& p : ps) {
-    engine::generation_request r{p.prompt, p.sampling, p.max_tokens};
-    ref.push_back(g.run(std::span(&r, 1))[0].tokens);
-  }
+  const auto ref = alone_each(*moe, {2, 256, 16, 256, 1, 1, 2}, ps);
   actors::engine_options o;
   o.model_path = path;
   o.n_threads = 2;
@@ -478,13 +486,7 @@ TEST_CASE("expert parallel over 2 ranks: a mixture of experts served through the
   o.n_host_blocks = 64;
   o.expert_parallel = 2;
   auto eng = actors::engine_handle::start(o);
-  std::vector<std::shared_ptr<actors::generation_stream>> ss;
-  for (const auto& p : ps) ss.push_back(eng->submit(p));
-  for (size_t i = 0; i < ss.size(); ++i) {
-    auto out = drain(*ss[i]);
-    REQUIRE(out.final.type == actors::stream_event::kind::done);
-    CHECK(out.tokens == ref[i]);
-  }
+  expect_outputs(*eng, ps, ref);
   require_no_leak(*eng);
   o.expert_parallel = 3;
   REQUIRE_THROWS_WITH(actors::engine_handle::start(o), Catch::Contains("4 experts do not split into 3"));

@@ -95,6 +95,35 @@ def sse(port, body, on_token=None):
     return text, n, err
 
 
+def two_streams(front, body):
+    """Starts two SSE streams of `body` through the front (fewest in flight: one runs on each side)
+    and waits until both have tokens. Returns (threads, out): out[i] = sse()'s result once done."""
+    progress, out = [0, 0], [None, None]
+
+    def run(i):
+        out[i] = sse(front, body, on_token=lambda n: progress.__setitem__(i, n))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    wait_for(lambda: min(progress) >= 3, 60, "both streams did not start")
+    return threads, out
+
+
+def expect_routed_again(front, remote):
+    """The front (re)connects `remote` and sends it some of four concurrent requests."""
+    wait_for(lambda: replica_series(front, "troupe_replica_up", remote) == 1, 20, "the front did not reconnect")
+    before = replica_series(front, "troupe_replica_routed_total", remote)
+    threads = [threading.Thread(target=request, args=(front, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 8}))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert replica_series(front, "troupe_replica_routed_total", remote) > before
+
+
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
            "In 1492, Columbus", "Water boils at"]
 
@@ -177,18 +206,7 @@ def test_replica_killed_mid_generation_then_back(replica_and_front):
     st, ref = request(rhttp, "POST", "/v1/completions", body)
     assert st == 200
     ref_text = ref["choices"][0]["text"]
-    # Two streams at once: one runs on each replica (fewest in flight).
-    progress = [0, 0]
-    out = [None, None]
-
-    def run(i):
-        out[i] = sse(front, body, on_token=lambda n: progress.__setitem__(i, n))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-        time.sleep(0.05)
-    wait_for(lambda: min(progress) >= 3, 60, "both streams did not start")
+    threads, out = two_streams(front, body)  # one runs on each side
     assert replica_series(front, "troupe_replica_in_flight", remote) == 1
     replica.send_signal(signal.SIGKILL)
     replica.wait()
@@ -216,15 +234,7 @@ def test_replica_killed_mid_generation_then_back(replica_and_front):
     # Back on the same port: the front reconnects and routes to it again.
     replica = start_replica(rport, rhttp)
     try:
-        wait_for(lambda: replica_series(front, "troupe_replica_up", remote) == 1, 20, "the front did not reconnect")
-        before = replica_series(front, "troupe_replica_routed_total", remote)
-        threads = [threading.Thread(target=request, args=(front, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 8}))
-                   for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert replica_series(front, "troupe_replica_routed_total", remote) > before
+        expect_routed_again(front, remote)
     finally:
         stop(replica)
 
@@ -411,16 +421,7 @@ def test_a_hung_replica_is_dropped_after_dead_after_s_and_rejoins():
         with running_server("--replica", remote, "--replica-retry-s", "0.5", *beat) as (front, _):
             wait_for(lambda: replica_series(front, "troupe_replica_up", remote) == 1, 20, "no connection")
             body = {"prompt": "Tell me about rivers.", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
-            progress, out = [0, 0], [None, None]
-
-            def run(i):
-                out[i] = sse(front, body, on_token=lambda n: progress.__setitem__(i, n))
-
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-            for t in threads:
-                t.start()
-                time.sleep(0.05)
-            wait_for(lambda: min(progress) >= 3, 60, "both streams did not start")
+            threads, out = two_streams(front, body)
             replica.send_signal(signal.SIGSTOP)
             t0 = time.monotonic()
             try:
@@ -452,16 +453,7 @@ def test_reloading_a_published_replica_fails_nothing(replica_and_front):
     body = {"prompt": "Describe a long walk through a city at night.", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
     st, ref = request(rhttp, "POST", "/v1/completions", body)
     assert st == 200
-    progress, out = [0, 0], [None, None]
-
-    def run(i):
-        out[i] = sse(front, body, on_token=lambda n: progress.__setitem__(i, n))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-        time.sleep(0.05)
-    wait_for(lambda: min(progress) >= 3, 60, "both streams did not start")
+    threads, out = two_streams(front, body)
     assert replica_series(front, "troupe_replica_in_flight", remote) == 1
     st, r = request(rhttp, "POST", "/admin/reload")
     assert st == 200 and r["version"] == 2, r
@@ -475,15 +467,7 @@ def test_reloading_a_published_replica_fails_nothing(replica_and_front):
         assert o[0] == ref["choices"][0]["text"]
     # The old version, idle, is unloaded; the front reconnects to the new one and routes to it.
     wait_for(lambda: request(rhttp, "GET", "/ready")[1]["draining_versions"] == 0, 30, "the old version was not unloaded")
-    wait_for(lambda: replica_series(front, "troupe_replica_up", remote) == 1, 20, "no reconnection")
-    before = replica_series(front, "troupe_replica_routed_total", remote)
-    threads = [threading.Thread(target=request, args=(front, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 8}))
-               for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert replica_series(front, "troupe_replica_routed_total", remote) > before
+    expect_routed_again(front, remote)
     assert replica_series(front, "troupe_replica_lost_total", remote) == 0
 
 
