@@ -192,6 +192,9 @@ int run_serve(serve_opts& o) {
     const std::string& host = o.publish_host;
     if (o.publish_at_start) {
       *published_port = v->engine->published_port();
+      if (host != "127.0.0.1" && host != "localhost" && host != "::1")
+        std::fprintf(stderr, "troupe serve: warning: the replica port on %s has no authentication or encryption: anyone who reaches it "
+                             "can submit generations; keep it on a trusted network\n", host.c_str());
       std::fprintf(stderr, "troupe serve: published for fronts at %s:%d (troupe serve --replica %s:%d)\n", host.c_str(), *published_port,
                    host.c_str(), *published_port);
       return v;
