@@ -159,12 +159,12 @@ void cpu_forward::moe_ffn(const layer_weights& L, int64_t n) {
   for (size_t le = 0; le < L.expert_gate.size(); ++le) {
     const int32_t e = L.expert_begin + (int32_t)le;
     moe_rows_.clear();
-    std::vector<float> weights;
+    moe_wt_.clear();
     for (int64_t r = 0; r < n; ++r)
       for (int64_t j = 0; j < k; ++j)
         if (route_e_[(size_t)(r * k + j)] == e) {
           moe_rows_.push_back((int32_t)r);
-          weights.push_back(route_w_[(size_t)(r * k + j)]);
+          moe_wt_.push_back(route_w_[(size_t)(r * k + j)]);
         }
     const auto m = (int64_t)moe_rows_.size();
     if (m == 0) continue;
@@ -176,7 +176,7 @@ void cpu_forward::moe_ffn(const layer_weights& L, int64_t n) {
     for (int64_t i = 0; i < m; ++i) {
       float* out = &moe_out_[(size_t)(moe_rows_[(size_t)i] * d)];
       const float* y = &moe_y_[(size_t)(i * d)];
-      const float w = weights[(size_t)i];
+      const float w = moe_wt_[(size_t)i];
       for (int64_t c = 0; c < d; ++c) out[c] += w * y[c];
     }
   }

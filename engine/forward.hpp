@@ -85,7 +85,7 @@ class cpu_forward {
   kernels::thread_pool& pool_;
   // Scratch, grown on demand and reused across steps.
   std::vector<float> x_, h_, q_, k_, v_, o_, gate_, up_, cos_sin_, cos_sin_swa_, attn_scratch_, out_rows_, logits_;
-  std::vector<float> router_, route_w_, moe_x_, moe_y_, moe_out_;  // mixture of experts
+  std::vector<float> router_, route_w_, moe_x_, moe_y_, moe_out_, moe_wt_;  // mixture of experts
   std::vector<int32_t> route_e_, moe_rows_;
   // Attention work: a row's positions split into parts (a long context spreads over the
   // threads), a part's heads into items when parts alone are too few to feed every thread.
