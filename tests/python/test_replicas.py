@@ -527,3 +527,22 @@ def test_a_router_without_an_executor_spreads_over_replicas_and_fails_clearly_wi
         for p in replicas:
             if p.poll() is None:
                 stop(p)
+
+
+def test_a_front_reload_reconnects_its_replicas(replica_and_front):
+    """POST /admin/reload on the front: its new version connects the replicas itself (each version
+    has its own engine and keeper) and routes to them; nothing in flight fails."""
+    front, rhttp, rport, _ = replica_and_front
+    remote = f"127.0.0.1:{rport}"
+    body = {"prompt": "Describe a harbour at dawn.", "max_tokens": 80, "temperature": 0, "ignore_eos": True}
+    st, ref = request(rhttp, "POST", "/v1/completions", body)
+    assert st == 200
+    threads, out = two_streams(front, body)
+    st, r = request(front, "POST", "/admin/reload")
+    assert st == 200 and r["version"] == 2, r
+    for t in threads:
+        t.join(timeout=300)
+    for o in out:
+        assert o[2] is None and o[0] == ref["choices"][0]["text"], o
+    assert request(front, "GET", "/ready")[1]["model_version"] == 2
+    expect_routed_again(front, remote)  # the metrics are the new version's: its own keeper connected
