@@ -59,8 +59,9 @@ caf::behavior request_actor(caf::event_based_actor* self, std::shared_ptr<replic
 
   auto finish_with = [=](stream_event ev) {
     st->stream->push(std::move(ev));
-    // A monitor outlives the monitoring actor in CAF 0.17 (it stays attached to the scheduler
-    // until that one dies): drop it, or a long-lived scheduler collects one per request.
+    // Drop the monitor on the scheduler explicitly: a long-lived scheduler must not collect one
+    // attachment per request that ever ran (whether CAF 0.17 removes it when this actor ends was
+    // not checked).
     if (st->scheduler) self->demonitor(st->scheduler);
     self->quit();
   };
