@@ -11,8 +11,7 @@
 
 #include "actors/runtime.hpp"
 #include "engine/device_module.hpp"
-#include "engine/pipeline_parallel.hpp"
-#include "engine/tensor_parallel.hpp"
+#include "engine/split_forward.hpp"
 
 namespace troupe::actors {
 
@@ -149,7 +148,6 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   const int n_splits = (o.tensor_parallel > 1) + (o.pipeline_parallel > 1) + (o.expert_parallel > 1);
   if (n_splits > 0 && o.cuda_device >= 0)
     throw std::invalid_argument("tensor, pipeline and expert parallel run on the CPU backend only (NCCL between GPUs is not implemented): use --device cpu");
-  if (n_splits > 1) throw std::invalid_argument("tensor, pipeline and expert parallelism cannot be combined yet");
   // Data parallel: where the replicas are, whether this engine runs generations itself.
   std::vector<replica_endpoint> endpoints;
   for (const std::string& r : o.replicas) endpoints.push_back(parse_endpoint(r));
@@ -163,11 +161,8 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
     throw std::invalid_argument("the replica heartbeat must be > 0 s and shorter than the dead-after time");
   auto p = std::make_unique<impl>();
   p->model = std::shared_ptr<const engine::model>(engine::model::load(o.model_path));
-  if (o.tensor_parallel > 1)
-    if (std::string err = engine::tensor_parallel_error(*p->model, o.tensor_parallel); !err.empty()) throw std::invalid_argument(err);
-  if (o.pipeline_parallel > 1) engine::split_layers(p->model->hparams().n_layers, o.pipeline_parallel);  // throws when it does not split
-  if (o.expert_parallel > 1)
-    if (std::string err = engine::expert_parallel_error(*p->model, o.expert_parallel); !err.empty()) throw std::invalid_argument(err);
+  if (std::string err = engine::parallel_error(*p->model, {o.tensor_parallel, o.pipeline_parallel, o.expert_parallel}); !err.empty())
+    throw std::invalid_argument(err);
   const auto& hp = p->model->hparams();
   engine::kv_shape shape{hp.n_layers, hp.n_kv_heads, hp.head_dim, o.kv_block_size};
   const int64_t dev_blocks = o.n_device_blocks > 0 ? o.n_device_blocks : std::max<int64_t>(1, o.max_kv_bytes / shape.block_bytes());

@@ -15,9 +15,7 @@
 #include "actors/runtime.hpp"
 #include "engine/device_module.hpp"
 #include "engine/forward.hpp"
-#include "engine/pipeline_parallel.hpp"
-#include "engine/tensor_parallel.hpp"
-#include "kernels/thread_pool.hpp"
+#include "engine/split_forward.hpp"
 
 namespace troupe::actors {
 
@@ -61,39 +59,18 @@ class backend {
   }
 };
 
-// The CPU: KV pools in host memory, the forward on the executor's own thread pool; or, with
-// tensor_parallel > 1, split over that many ranks (threads shared among them), each with the KV
-// pools of its heads (engine/tensor_parallel.hpp); or with pipeline_parallel > 1 over that many
-// stages, each with the KV pools of its layers (engine/pipeline_parallel.hpp).
+// The CPU: KV pools in host memory, the forward on the executor's own threads — whole, or split
+// over ranks or stages, each with the KV pools of its share (engine/split_forward.hpp).
 class cpu_backend final : public backend {
  public:
   explicit cpu_backend(const executor_config& c)
       : emulate_device_sampling_(c.emulate_device_sampling),
-        n_vocab_((size_t)c.model->hparams().n_vocab) {
-    const int32_t n_host = c.n_host_blocks > 0 ? c.n_host_blocks : 1;
-    if (c.tensor_parallel > 1) {
-      tp_ = std::make_unique<engine::tp_cpu_forward>(*c.model, c.tensor_parallel, c.kv, c.n_device_blocks, n_host,
-                                                     std::max(1, c.n_threads / c.tensor_parallel));
-      return;
-    }
-    if (c.expert_parallel > 1) {
-      tp_ = std::make_unique<engine::tp_cpu_forward>(*c.model, c.expert_parallel, c.kv, c.n_device_blocks, n_host,
-                                                     std::max(1, c.n_threads / c.expert_parallel), engine::parallel_split::expert);
-      return;
-    }
-    if (c.pipeline_parallel > 1) {
-      pp_ = std::make_unique<engine::pp_cpu_forward>(*c.model, c.pipeline_parallel, c.kv, c.n_device_blocks, n_host,
-                                                     std::max(1, c.n_threads / c.pipeline_parallel));
-      return;
-    }
-    pool_ = std::make_unique<kernels::thread_pool>(c.n_threads);
-    device_ = std::make_unique<engine::kv_storage>(c.kv, c.n_device_blocks);
-    host_ = std::make_unique<engine::kv_storage>(c.kv, n_host);
-    fwd_ = std::make_unique<engine::cpu_forward>(*c.model, *device_, *pool_);
-  }
+        n_vocab_((size_t)c.model->hparams().n_vocab),
+        fwd_(*c.model, {c.tensor_parallel, c.pipeline_parallel, c.expert_parallel}, c.kv, c.n_device_blocks, c.n_host_blocks,
+             c.n_threads) {}
 
   void copy_blocks(const std::vector<engine::block_copy>& copies) override {
-    auto copy = [&](engine::kv_storage& device, engine::kv_storage& host) {
+    fwd_.for_each_kv([&](engine::kv_storage& device, engine::kv_storage& host) {
       const auto bytes = (size_t)device.shape().block_bytes();
       for (const auto& c : copies) {
         using k = engine::block_copy::kind;
@@ -103,14 +80,9 @@ class cpu_backend final : public backend {
           throw std::logic_error("executor: block copy out of range");
         std::memcpy(dst.block_data(c.dst), src.block_data(c.src), bytes);
       }
-    };
-    if (tp_) tp_->for_each_kv(copy);
-    else if (pp_) pp_->for_each_kv(copy);
-    else copy(*device_, *host_);
+    });
   }
-  const std::vector<float>& forward(std::span<const engine::seq_chunk> batch) override {
-    return tp_ ? tp_->forward(batch) : pp_ ? pp_->forward(batch) : fwd_->forward(batch);
-  }
+  const std::vector<float>& forward(std::span<const engine::seq_chunk> batch) override { return fwd_.forward(batch); }
 
   // Tests (emulate_device_sampling): the device path's contract, sampled by the host sampler with
   // the seed the host path would use, so both paths give the same tokens.
@@ -131,11 +103,7 @@ class cpu_backend final : public backend {
  private:
   bool emulate_device_sampling_;
   size_t n_vocab_;
-  std::unique_ptr<kernels::thread_pool> pool_;
-  std::unique_ptr<engine::kv_storage> device_, host_;
-  std::unique_ptr<engine::cpu_forward> fwd_;
-  std::unique_ptr<engine::tp_cpu_forward> tp_;
-  std::unique_ptr<engine::pp_cpu_forward> pp_;
+  engine::split_forward fwd_;
 };
 
 // A CUDA device, through the module (engine/device_module.hpp): weights, KV pool and pinned host

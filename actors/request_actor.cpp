@@ -58,6 +58,9 @@ caf::behavior request_actor(caf::event_based_actor* self, std::shared_ptr<replic
   st->logprobs = params.sampling.logprobs || params.sampling.top_logprobs > 0;
 
   auto finish_with = [=](stream_event ev) {
+    // Out of the router's count before the client sees the end (the actor's cleanup comes later).
+    if (!st->released) router->release(st->index);
+    st->released = true;
     st->stream->push(std::move(ev));
     // Drop the monitor on the scheduler explicitly: a long-lived scheduler must not collect one
     // attachment per request that ever ran (whether CAF 0.17 removes it when this actor ends was

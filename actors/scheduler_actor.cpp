@@ -31,7 +31,7 @@ struct scheduler_state {
   std::vector<engine::block_copy> carry;  // copies of plans that had no batch, run with the next step
   std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
   double step_timeout_s = 120;
-  std::string fingerprint;  // model_fingerprint() of the model, for fronts that connect
+  std::string fingerprint;  // model_fingerprint() of the model, once a front has asked
   int64_t n_steps = 0, n_ahead = 0;  // steps answered; steps planned ahead
   double sched_s = 0, executor_s = 0;
 
@@ -192,7 +192,6 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
   auto& st = self->state;
   st.model = cfg.model;
   st.step_timeout_s = cfg.step_timeout_s;
-  st.fingerprint = model_fingerprint(*cfg.model);
   st.kv = std::make_unique<engine::block_manager>(cfg.kv_block_size, cfg.n_device_blocks, cfg.n_host_blocks);
   st.core = std::make_unique<scheduler_core>(cfg.sched, *st.kv);
   self->set_down_handler([=](caf::down_msg& dm) {
@@ -261,7 +260,11 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
       [=](fault_atom) { self->state.fault_next = true; },
       [=](retire_atom) { self->state.retired = true; },
       // A front server asks what this (published) scheduler serves before routing to it.
-      [=](info_atom) { return self->state.fingerprint; },
+      [=](info_atom) {
+        auto& s = self->state;
+        if (s.fingerprint.empty()) s.fingerprint = model_fingerprint(*s.model);  // on the first front's question only
+        return s.fingerprint;
+      },
       // Drain: refuse new work, finish what is admitted, answer true when nothing is left.
       [=](drain_atom) -> caf::result<bool> {
         auto& s = self->state;

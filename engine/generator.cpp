@@ -3,7 +3,6 @@
 #include <chrono>
 #include <stdexcept>
 
-#include "kernels/thread_pool.hpp"
 
 namespace troupe::engine {
 
@@ -35,45 +34,19 @@ const char* to_string(finish_reason r) {
 }
 
 generator::generator(const model& m, const generator_options& opt)
-    : m_(m), opt_(opt), n_ctx_(opt.n_ctx > 0 ? opt.n_ctx : m.hparams().n_ctx_train),
-      pool_(std::make_unique<kernels::thread_pool>(opt.n_threads < 1 ? 1 : opt.n_threads)) {
-  if ((opt.tensor_parallel > 1) + (opt.pipeline_parallel > 1) + (opt.expert_parallel > 1) > 1)
-    throw std::invalid_argument("tensor, pipeline and expert parallelism cannot be combined yet");
-  if (opt.expert_parallel > 1)
-    if (std::string err = expert_parallel_error(m, opt.expert_parallel); !err.empty()) throw std::invalid_argument(err);
-  if (opt.tensor_parallel > 1)
-    if (std::string err = tensor_parallel_error(m, opt.tensor_parallel); !err.empty()) throw std::invalid_argument(err);
-  if (opt.pipeline_parallel > 1) split_layers(m.hparams().n_layers, opt.pipeline_parallel);  // throws when it does not split
+    : m_(m), opt_(opt), n_ctx_(opt.n_ctx > 0 ? opt.n_ctx : m.hparams().n_ctx_train) {
+  if (std::string err = parallel_error(m, parallel()); !err.empty()) throw std::invalid_argument(err);
 }
 
 generator::~generator() = default;
 
 void generator::ensure_kv(int64_t n_blocks) {
   if (kv_blocks_ >= n_blocks) return;
-  fwd_.reset();
-  tp_.reset();
-  pp_.reset();
-  kv_.reset();
+  fwd_.reset();  // the old cache first: both are never held at once
   const auto& hp = m_.hparams();
-  kv_shape shape{hp.n_layers, hp.n_kv_heads, hp.head_dim, opt_.block_size};
-  if (opt_.tensor_parallel > 1) {
-    const int per_rank = std::max(1, opt_.n_threads / opt_.tensor_parallel);
-    tp_ = std::make_unique<tp_cpu_forward>(m_, opt_.tensor_parallel, shape, (int32_t)n_blocks, 1, per_rank);
-  } else if (opt_.expert_parallel > 1) {
-    const int per_rank = std::max(1, opt_.n_threads / opt_.expert_parallel);
-    tp_ = std::make_unique<tp_cpu_forward>(m_, opt_.expert_parallel, shape, (int32_t)n_blocks, 1, per_rank, parallel_split::expert);
-  } else if (opt_.pipeline_parallel > 1) {
-    const int per_stage = std::max(1, opt_.n_threads / opt_.pipeline_parallel);
-    pp_ = std::make_unique<pp_cpu_forward>(m_, opt_.pipeline_parallel, shape, (int32_t)n_blocks, 1, per_stage);
-  } else {
-    kv_ = std::make_unique<kv_storage>(shape, (int32_t)n_blocks);
-    fwd_ = std::make_unique<cpu_forward>(m_, *kv_, *pool_);
-  }
+  const kv_shape shape{hp.n_layers, hp.n_kv_heads, hp.head_dim, opt_.block_size};
+  fwd_ = std::make_unique<split_forward>(m_, parallel(), shape, (int32_t)n_blocks, 1, opt_.n_threads);
   kv_blocks_ = n_blocks;
-}
-
-const std::vector<float>& generator::forward(std::span<const seq_chunk> batch) {
-  return tp_ ? tp_->forward(batch) : pp_ ? pp_->forward(batch) : fwd_->forward(batch);
 }
 
 std::vector<float> generator::logits_all(std::span<const token_id> tokens) {
@@ -90,7 +63,7 @@ std::vector<float> generator::logits_all(std::span<const token_id> tokens) {
   for (size_t p = 0; p < tokens.size(); p += (size_t)opt_.n_batch) {
     const size_t len = std::min(tokens.size() - p, (size_t)opt_.n_batch);
     seq_chunk c{tokens.subspan(p, len), (int64_t)p, blocks, true};
-    const auto& l = forward(std::span(&c, 1));
+    const auto& l = fwd_->forward(std::span(&c, 1));
     out.insert(out.end(), l.begin(), l.begin() + (ptrdiff_t)(len * (size_t)n_vocab));
   }
   return out;
@@ -148,7 +121,7 @@ std::vector<generation_result> generator::run(std::span<const generation_request
     }
     if (batch.empty()) break;
 
-    const std::vector<float>& logits = forward(batch);
+    const std::vector<float>& logits = fwd_->forward(batch);
     for (size_t b = 0, row_i = 0; b < batch.size(); ++b) {
       seq_state& s = seqs[owner[b]];
       s.n_done += (int64_t)batch[b].tokens.size();

@@ -12,8 +12,7 @@
 #include <vector>
 
 #include "engine/forward.hpp"
-#include "engine/pipeline_parallel.hpp"
-#include "engine/tensor_parallel.hpp"
+#include "engine/split_forward.hpp"
 #include "engine/kv_cache.hpp"
 #include "engine/model.hpp"
 #include "engine/sampling.hpp"
@@ -70,7 +69,6 @@ class generator {
 
   const model& get_model() const { return m_; }
   int n_ctx() const { return n_ctx_; }
-  kernels::thread_pool& pool() { return *pool_; }
 
  private:
   void ensure_kv(int64_t n_blocks);
@@ -78,13 +76,9 @@ class generator {
   const model& m_;
   generator_options opt_;
   int n_ctx_;
-  std::unique_ptr<kernels::thread_pool> pool_;
-  std::unique_ptr<kv_storage> kv_;
-  std::unique_ptr<cpu_forward> fwd_;
-  std::unique_ptr<tp_cpu_forward> tp_;  // instead of fwd_ with tensor_parallel > 1
-  std::unique_ptr<pp_cpu_forward> pp_;  // instead of fwd_ with pipeline_parallel > 1
-  int64_t kv_blocks_ = 0;               // blocks of the KV cache built
-  const std::vector<float>& forward(std::span<const seq_chunk> batch);
+  parallelism parallel() const { return {opt_.tensor_parallel, opt_.pipeline_parallel, opt_.expert_parallel}; }
+  std::unique_ptr<split_forward> fwd_;
+  int64_t kv_blocks_ = 0;  // blocks of the KV cache built
 };
 
 }  // namespace troupe::engine

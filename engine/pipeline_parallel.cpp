@@ -7,9 +7,13 @@
 
 namespace troupe::engine {
 
+std::string pipeline_parallel_error(int n_layers, int n) {
+  if (n < 1 || n > n_layers) return std::to_string(n_layers) + " layers do not split into " + std::to_string(n) + " pipeline stages";
+  return {};
+}
+
 std::vector<std::pair<int, int>> split_layers(int n_layers, int n) {
-  if (n < 1 || n > n_layers)
-    throw std::invalid_argument(std::to_string(n_layers) + " layers do not split into " + std::to_string(n) + " pipeline stages");
+  if (std::string err = pipeline_parallel_error(n_layers, n); !err.empty()) throw std::invalid_argument(err);
   std::vector<std::pair<int, int>> out;
   for (int s = 0, begin = 0; s < n; ++s) {
     const int len = n_layers / n + (s < n_layers % n ? 1 : 0);

@@ -30,6 +30,9 @@
 
 namespace troupe::engine {
 
+/// Empty when `n_layers` split into `n_stages` stages, else why not.
+std::string pipeline_parallel_error(int n_layers, int n_stages);
+
 /// [begin, end) layer ranges of `n_stages` stages, as even as the layers allow (earlier stages
 /// take the remainder). Throws std::invalid_argument when there are fewer layers than stages.
 std::vector<std::pair<int, int>> split_layers(int n_layers, int n_stages);
