@@ -164,7 +164,8 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   if (std::string err = engine::parallel_error(*p->model, {o.tensor_parallel, o.pipeline_parallel, o.expert_parallel}); !err.empty())
     throw std::invalid_argument(err);
   const auto& hp = p->model->hparams();
-  engine::kv_shape shape{hp.n_layers, hp.n_kv_heads, hp.head_dim, o.kv_block_size};
+  const bool grouped = o.kv_window_groups && o.cuda_device < 0 && o.pipeline_parallel == 1;
+  const engine::kv_shape shape = engine::model_kv_shape(*p->model, o.kv_block_size, grouped);
   const int64_t dev_blocks = o.n_device_blocks > 0 ? o.n_device_blocks : std::max<int64_t>(1, o.max_kv_bytes / shape.block_bytes());
   const int64_t host_pool = o.n_host_blocks > 0 ? o.n_host_blocks : dev_blocks;
   // Host memory of the KV pools (both on the CPU; the swap pool alone, pinned, with a GPU): more
@@ -196,7 +197,7 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
     p->cfg.set("middleman.connection-timeout", span(o.replica_dead_after_s));
   }
   p->sys = std::make_unique<caf::actor_system>(p->cfg);
-  scheduler_config_msg scm{sc, p->model, o.kv_block_size, n_dev, n_host, o.step_timeout_s};
+  scheduler_config_msg scm{sc, p->model, o.kv_block_size, n_dev, n_host, o.step_timeout_s, {shape.n_groups, shape.window}};
   p->scheduler = spawn_scheduler(*p->sys, scm);
   executor_config ec{p->model, o.n_threads, shape, n_dev, n_host, o.cuda_device, o.tensor_parallel, o.pipeline_parallel, o.expert_parallel,
                      sc.max_batched_tokens, sc.max_num_seqs, sc.max_model_len, o.fail_executor_start,

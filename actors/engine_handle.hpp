@@ -98,6 +98,9 @@ struct engine_options {
   std::string model_path;
   int n_threads = 1;
   int kv_block_size = 16;
+  // Sliding-window layers in their own KV groups, each keeping its window's blocks only (CPU
+  // backend without pipeline stages; elsewhere every layer keeps every position).
+  bool kv_window_groups = true;
   int32_t n_device_blocks = 0;  // 0: derived from max_kv_bytes
   int32_t n_host_blocks = 0;    // swap space; 0: as many as device blocks
   int64_t max_kv_bytes = 256LL << 20;

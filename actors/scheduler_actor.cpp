@@ -192,7 +192,8 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
   auto& st = self->state;
   st.model = cfg.model;
   st.step_timeout_s = cfg.step_timeout_s;
-  st.kv = std::make_unique<engine::block_manager>(cfg.kv_block_size, cfg.n_device_blocks, cfg.n_host_blocks);
+  st.kv = std::make_unique<engine::block_manager>(cfg.kv_block_size, cfg.n_device_blocks, cfg.n_host_blocks,
+                                                  engine::kv_block_hash, cfg.kv_groups);
   st.core = std::make_unique<scheduler_core>(cfg.sched, *st.kv);
   self->set_down_handler([=](caf::down_msg& dm) {
     auto& s = self->state;

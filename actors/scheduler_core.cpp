@@ -76,7 +76,7 @@ admission scheduler_core::add(request_spec req, double now) {
                                              std::to_string(req.max_tokens) + ") exceeds the model length of " +
                                              std::to_string(cfg_.max_model_len));
   // The last sampled token is never fed back: total - 1 positions at most.
-  if (engine::kv_blocks_for(total - 1, kv_.block_size()) + cfg_.kv_watermark_blocks > kv_.n_device())
+  if (kv_.peak_blocks(n_prompt, total - 1) + cfg_.kv_watermark_blocks > kv_.n_device())
     return refuse(admit_error::too_long, "the prompt (" + std::to_string(n_prompt) + " tokens) plus max_tokens (" +
                                              std::to_string(req.max_tokens) + ") needs more KV cache than the " +
                                              std::to_string(kv_.n_device()) + " blocks of " +
@@ -149,8 +149,7 @@ batch_entry scheduler_core::make_entry(const sequence& s, int32_t n_tokens) cons
   e.pos0 = s.n_computed;
   const auto first = s.tokens.begin() + (ptrdiff_t)s.n_computed;
   e.tokens.assign(first, first + n_tokens);
-  const auto table = kv_.table(s.req.id);
-  e.block_table.assign(table.begin(), table.begin() + engine::kv_blocks_for(e.pos0 + n_tokens, kv_.block_size()));
+  e.block_table = kv_.step_table(s.req.id, e.pos0 + n_tokens);
   e.need_logits = e.pos0 + n_tokens == (int64_t)s.tokens.size();
   return e;
 }
@@ -290,8 +289,7 @@ std::optional<step_plan> scheduler_core::schedule_ahead(double now) {
     e.seq = id;
     e.pos0 = (int64_t)s.tokens.size();  // the position after the step in flight
     e.tokens = {ahead_token};
-    const auto table = kv_.table(id);
-    e.block_table.assign(table.begin(), table.begin() + engine::kv_blocks_for(e.pos0 + 1, kv_.block_size()));
+    e.block_table = kv_.step_table(id, e.pos0 + 1);
     e.need_logits = true;
     entries.push_back({id, 1, true});
     plan.batch.push_back(std::move(e));

@@ -156,7 +156,7 @@ struct plan_context {
     dev += kv.n_exclusive(s.req.id);
     preemption_mode mode = cfg.preemption;
     if (mode == preemption_mode::swap) {
-      const auto need = (int32_t)kv.table(s.req.id).size();
+      const auto need = kv.n_held(s.req.id);
       if (need <= host) host -= need;
       else mode = preemption_mode::recompute;  // the host pool is short
     }
@@ -169,7 +169,7 @@ struct plan_context {
       const double limit = core.timeout_of(s);
       if (limit > 0 && now - s.enqueued_at > limit) {
         d.timed_out.push_back(id);
-        if (s.state == seq_state::swapped) host += (int32_t)kv.table(id).size();
+        if (s.state == seq_state::swapped) host += kv.n_held(id);
       } else {
         candidates.push_back(&s);
       }

@@ -289,7 +289,10 @@ TEST_CASE("random traffic: every output equals the reference, pools end full", "
   c.max_bypass_wait_s = 1.0;
   c.kv_watermark_blocks = uni(0, 2);
   c.preemption = seed % 2 ? preemption_mode::swap : preemption_mode::recompute;
-  driver d(c, 4, uni(12, 28), uni(0, 1) ? uni(0, 8) : 64);
+  // Seeds 5-8: three KV groups, two of them sliding windows of 7 positions (Gemma 3's layout),
+  // over a pool three times as large.
+  const troupe::engine::kv_groups groups = seed > 4 ? troupe::engine::kv_groups{3, 7} : troupe::engine::kv_groups{};
+  driver d(c, 4, uni(12, 28) * groups.n, (uni(0, 1) ? uni(0, 8) : 64) * groups.n, groups);
   d.stop = [](uint64_t, token_id t) { return t % 97 == 0; };
   std::vector<tokens_t> systems;
   for (int i = 0; i < 3; ++i) systems.push_back(prompt_of(uni(5, 20), (token_id)uni(0, 999)));
@@ -320,6 +323,7 @@ TEST_CASE("random traffic: every output equals the reference, pools end full", "
       ++n_checked;
     }
   }
+  INFO("seed " << seed);
   CHECK(n_checked > 100);
   CHECK(d.preempted.size() > 0);
   d.require_drained();

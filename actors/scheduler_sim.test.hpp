@@ -42,11 +42,13 @@ inline tokens_t reference(uint64_t seq, tokens_t context, int32_t max_tokens, co
 }
 
 /// Executes plans on fake KV memory: each slot holds the token whose KV would be there. The
-/// context a sequence attends to is read back through its block table.
+/// context a sequence attends to is read back through its block table: group 0's (every
+/// position), and with sliding-window groups each one's over the window of the chunk's rows,
+/// which must hold the same tokens.
 class fake_executor {
  public:
-  fake_executor(int block_size, int32_t n_device, int32_t n_host)
-      : bs_(block_size), device_((size_t)n_device * block_size, -1), host_((size_t)n_host * block_size, -1) {}
+  fake_executor(int block_size, int32_t n_device, int32_t n_host, engine::kv_groups groups = {})
+      : bs_(block_size), groups_(groups), device_((size_t)n_device * block_size, -1), host_((size_t)n_host * block_size, -1) {}
 
   std::vector<token_result> run(const step_plan& plan, const stop_fn& stop) {
     using kind = engine::block_copy::kind;
@@ -57,26 +59,35 @@ class fake_executor {
     }
     // Two entries writing one slot in a step would corrupt each other's KV.
     std::map<size_t, uint64_t> written;
-    for (const auto& e : plan.batch)
+    for (const auto& e : plan.batch) {
+      REQUIRE(e.block_table.size() % (size_t)groups_.n == 0);
       for (size_t i = 0; i < e.tokens.size(); ++i) {
-        const size_t slot = slot_of(e.block_table, e.pos0 + (int64_t)i);
-        const auto [it, fresh] = written.emplace(slot, e.seq);
-        INFO("step " << plan.step << " seq " << e.seq << " pos " << e.pos0 + (int64_t)i);
-        REQUIRE((fresh || it->second == e.seq));
         token_id t = e.tokens[i];
         if (t == ahead_token) {  // a decode planned ahead: the token sampled in the step before
           REQUIRE(last_.count(e.seq));
           t = last_.at(e.seq);
         }
-        device_[slot] = t;
+        for (int g = 0; g < groups_.n; ++g) {
+          const size_t slot = slot_of(group_table(e, g), e.pos0 + (int64_t)i);
+          const auto [it, fresh] = written.emplace(slot, e.seq);
+          INFO("step " << plan.step << " seq " << e.seq << " pos " << e.pos0 + (int64_t)i << " group " << g);
+          REQUIRE((fresh || it->second == e.seq));
+          device_[slot] = t;
+        }
       }
+    }
     last_.clear();
     std::vector<token_result> out;
     for (const auto& e : plan.batch) {
       if (!e.need_logits) continue;
       const int64_t n = e.pos0 + (int64_t)e.tokens.size();
       tokens_t context((size_t)n);
-      for (int64_t p = 0; p < n; ++p) context[(size_t)p] = device_[slot_of(e.block_table, p)];
+      for (int64_t p = 0; p < n; ++p) context[(size_t)p] = device_[slot_of(group_table(e, 0), p)];
+      for (int g = 1; g < groups_.n; ++g)
+        for (int64_t p = std::max<int64_t>(0, e.pos0 - groups_.window + 1); p < n; ++p) {
+          INFO("seq " << e.seq << " pos " << p << " sliding group " << g);
+          REQUIRE(device_[slot_of(group_table(e, g), p)] == context[(size_t)p]);
+        }
       const token_id t = next_token(e.seq, context);
       out.push_back({e.seq, t, stop && stop(e.seq, t)});
       last_[e.seq] = t;
@@ -85,12 +96,18 @@ class fake_executor {
   }
 
  private:
-  size_t slot_of(const std::vector<int32_t>& table, int64_t p) const {
+  std::span<const int32_t> group_table(const batch_entry& e, int g) const {
+    const size_t n = e.block_table.size() / (size_t)groups_.n;
+    return std::span(e.block_table).subspan((size_t)g * n, n);
+  }
+  size_t slot_of(std::span<const int32_t> table, int64_t p) const {
     const auto j = (size_t)(p / bs_);
     REQUIRE(j < table.size());
+    REQUIRE(table[j] >= 0);
     return (size_t)table[j] * (size_t)bs_ + (size_t)(p % bs_);
   }
   int bs_;
+  engine::kv_groups groups_;
   std::vector<int> device_, host_;
   std::map<uint64_t, token_id> last_;  // sampled by the last step with a batch
 };
@@ -111,8 +128,8 @@ struct driver {
   std::map<uint64_t, request_spec> added;
   step_plan last;
 
-  driver(const scheduler_config& cfg, int block_size, int32_t n_device, int32_t n_host)
-      : kv(block_size, n_device, n_host), core(cfg, kv), exec(block_size, n_device, n_host) {}
+  driver(const scheduler_config& cfg, int block_size, int32_t n_device, int32_t n_host, engine::kv_groups groups = {})
+      : kv(block_size, n_device, n_host, engine::kv_block_hash, groups), core(cfg, kv), exec(block_size, n_device, n_host, groups) {}
 
   admission add(uint64_t id, tokens_t prompt, int32_t max_tokens, priority_class cls = priority_class::normal,
                 int32_t priority = 0, double timeout = 0) {

@@ -17,6 +17,9 @@ struct engine_config {
   int tensor_parallel = 1;  // ranks the model is split over (heads, feed-forward columns); CPU: threads are shared among them
   int pipeline_parallel = 1;  // stages the layers are split over (micro-batches flow through them); CPU: threads shared
   int expert_parallel = 1;    // ranks a mixture of experts' experts are split over (attention replicated); CPU: threads shared
+  // Sliding-window layers (Gemma 3) keep the KV of every position, as full-attention ones do
+  // (llama.cpp's --swa-full); else only their window's (the serve path's paged KV cache).
+  bool swa_full = false;
   std::string device = "cpu";  // the executor's device: "cpu", or "cuda" / "cuda:N" (builds with CUDA)
 };
 

@@ -130,6 +130,13 @@ const std::vector<key_spec>& keys() {
       {"engine", "pipeline_parallel", engine_int_key(&engine_config::pipeline_parallel)},
       {"engine", "expert_parallel", engine_int_key(&engine_config::expert_parallel)},
       {"engine", "kv_mb", int_key(&server_config::kv_mb)},
+      {"engine", "swa_full",
+       [](const toml::node& n, server_config& c) -> std::string {
+         const auto v = n.value_exact<bool>();
+         if (!v) return "expected a boolean, got " + type_name(n);
+         c.engine.swa_full = *v;
+         return {};
+       }},
       {"engine", "chat_template", string_key(&server_config::chat_template)},
       {"engine", "device",
        [](const toml::node& n, server_config& c) -> std::string {
@@ -367,6 +374,7 @@ std::string describe(const server_config& c) {
     << "[engine]\n"
     << "model = " << quote(e.model_path) << "\nthreads = " << e.n_threads << "\nctx_size = " << e.n_ctx
     << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\ntensor_parallel = " << e.tensor_parallel << "\npipeline_parallel = " << e.pipeline_parallel << "\nexpert_parallel = " << e.expert_parallel << "\nkv_mb = " << c.kv_mb
+    << "\nswa_full = " << (e.swa_full ? "true" : "false")
     << "\ndevice = " << quote(e.device) << "\nchat_template = " << quote(c.chat_template) << "\n"
     << "[scheduler]\n"
     << "max_num_seqs = " << c.max_num_seqs << "\nmax_waiting = " << c.max_waiting << "\nmax_waiting_tokens = " << c.max_waiting_tokens

@@ -15,11 +15,19 @@
 //   out wrong KV. A registered block whose last reference goes stays cached (parked at count 0)
 //   and is evicted least recently released first, only when a fresh block is needed and the free
 //   list is empty. A sequence's tail blocks are released before its head, so they go first.
+// - Sliding-window groups (kv_groups, kv_cache.hpp's layout): a sequence has one table per
+//   group, all over the one device pool. Group 0 (full attention) keeps every block; a sliding
+//   group's block j is given back once no position still to compute attends to it (commit: every
+//   position of the block < n_computed - window + 1) and reads -1 from then on. A sliding
+//   group's committed block is cached under group 0's content id of the same block (that id
+//   already names the whole prefix), so a prefix hit needs, in every sliding group, the blocks of
+//   the window before the hit, and is shortened until it has them.
 // - Every failing operation returns false / nullopt and leaves no trace. Misuse (unknown or
 //   duplicate sequence id, resident/swapped mismatch) throws std::logic_error.
 // - Invariant (check()): each block's count equals the number of tables holding it; a block at
 //   count 0 is free, or cached (registered, parked, in the LRU); free + referenced + cached equals
-//   the pool size in each pool.
+//   the pool size in each pool; a sliding group's entry is -1 exactly for the blocks out of the
+//   window.
 #pragma once
 
 #include <cstdint>
@@ -61,6 +69,13 @@ struct block_manager_stats {
   int64_t n_swap_in_reused = 0;    // blocks a swap-in took from the prefix cache instead
 };
 
+/// Layer groups of the KV (kv_shape::n_groups, window): group 0 full attention, groups 1..n-1
+/// sliding windows of `window` positions.
+struct kv_groups {
+  int n = 1;
+  int window = 0;
+};
+
 /// What allocate() would do for a prompt, without doing it.
 struct allocation_cost {
   int64_t n_cached_positions = 0;  // leading positions served by cached blocks
@@ -71,9 +86,12 @@ class block_manager {
  public:
   /// block_size > 0 positions per block; n_device > 0, n_host >= 0 blocks. `hash` is replaceable
   /// for tests (a degenerate hash must cost hits, never correctness).
-  block_manager(int block_size, int32_t n_device, int32_t n_host, block_hash_fn hash = kv_block_hash);
+  block_manager(int block_size, int32_t n_device, int32_t n_host, block_hash_fn hash = kv_block_hash,
+                kv_groups groups = {});
 
   int block_size() const { return block_size_; }
+  int n_groups() const { return groups_.n; }
+  int window() const { return groups_.window; }
   int32_t n_device() const { return device_.n_blocks(); }
   int32_t n_host() const { return host_.n_blocks(); }
   /// Device blocks on the free list (cached blocks excluded).
@@ -91,8 +109,17 @@ class block_manager {
   bool has(uint64_t seq) const { return seqs_.count(seq) != 0; }
   bool is_swapped(uint64_t seq) const { return get(seq).swapped; }
   int64_t n_positions(uint64_t seq) const { return get(seq).n_positions; }
-  /// The sequence's table: device ids when resident, host ids when swapped.
-  std::span<const int32_t> table(uint64_t seq) const { return get(seq).table; }
+  /// The sequence's table of a group: device ids when resident, host ids when swapped; -1 for a
+  /// sliding group's blocks out of the window.
+  std::span<const int32_t> table(uint64_t seq, int group = 0) const { return get(seq).tables.at((size_t)group); }
+  /// The block tables a step over positions [0, n_positions) of a resident sequence reads: each
+  /// group's first kv_blocks_for(n_positions) entries, group after group (seq_chunk's layout).
+  std::vector<int32_t> step_table(uint64_t seq, int64_t n_positions) const;
+  /// Blocks the sequence holds in its pool (every group): what a swap-out takes on the host.
+  int32_t n_held(uint64_t seq) const;
+  /// Device blocks a lone sequence needs at most: admitted with n_prompt positions, grown to
+  /// n_positions (the sliding groups hold a whole prompt until its prefill is computed).
+  int32_t peak_blocks(int64_t n_prompt, int64_t n_positions) const;
   /// Full blocks of this sequence committed as computed.
   int32_t n_committed_blocks(uint64_t seq) const { return (int32_t)get(seq).hashes.size(); }
   /// Prefix hits and blocks allocate(prompt) would take (exact for one call on today's state).
@@ -141,17 +168,20 @@ class block_manager {
  private:
   struct seq_entry {
     bool swapped = false;
-    std::vector<int32_t> table;
+    std::vector<std::vector<int32_t>> tables;  // per group
     int64_t n_positions = 0;
+    int64_t n_computed = 0;  // positions committed as computed (the sliding windows follow it)
     // The committed full blocks (their KV computed): chain hash, content id, tokens.
     std::vector<uint64_t> hashes;
     std::vector<uint64_t> cids;
     std::vector<token_id> tokens;  // hashes.size() * block_size ids
   };
   // What a device block holds. cid != 0 once its content is a committed full block; such a
-  // block is registered (findable in cache_) unless another block held that hash first.
+  // block is registered (findable in cache_, or window_cache_ for a sliding group's) unless
+  // another block held that hash (group and content id) first.
   struct block_meta {
     bool registered = false;
+    int16_t group = 0;
     uint64_t hash = 0;
     uint64_t cid = 0;         // content id: one per distinct (parent content, tokens)
     uint64_t parent_cid = 0;  // 0: the first block of a sequence
@@ -160,6 +190,7 @@ class block_manager {
   struct chain_hit {
     std::vector<int32_t> blocks;
     std::vector<uint64_t> hashes, cids;
+    std::vector<std::vector<int32_t>> window;  // per sliding group g: window[g - 1][j], -1 before the window
     int32_t n_parked = 0;  // hits that are unreferenced (leave the evictable pool)
   };
   const seq_entry& get(uint64_t seq) const;
@@ -167,15 +198,24 @@ class block_manager {
   /// The registered block holding (hash, parent_cid, tokens), or -1.
   int32_t find_cached(uint64_t hash, uint64_t parent_cid, std::span<const token_id> tokens) const;
   chain_hit match_prefix(std::span<const token_id> prompt) const;
+  /// First block of a sliding group still attended to once n_computed positions are computed.
+  int64_t live_from(int64_t n_computed) const;
+  /// The cached block of sliding group g for the block whose group-0 content id is cid, or -1.
+  int32_t find_window(uint64_t cid, int g) const;
+  static uint64_t window_key(uint64_t cid, int g) { return cid * 256 + (uint64_t)g; }
+  /// Gives back the sliding groups' blocks that left the window of e.n_computed.
+  void trim(seq_entry& e);
   /// A device block with count 1: from the free list, else by evicting the LRU cached block.
   int32_t take_device_block();
   /// A cached block gets one more reference (unparked if it was unreferenced).
   void acquire_cached(int32_t b);
   void release_device(int32_t b);
-  /// Per committed block of a swapped sequence: the cached device block to reuse, or -1.
-  std::vector<int32_t> swap_in_hits(const seq_entry& e) const;
+  /// Per group and committed block of a swapped sequence: the cached device block to reuse, or -1.
+  std::vector<std::vector<int32_t>> swap_in_hits(const seq_entry& e) const;
   /// Records a committed block's content; registers it when its hash is not taken.
   void identify_block(int32_t b, uint64_t hash, uint64_t cid, uint64_t parent_cid, std::span<const token_id> tokens);
+  /// Records sliding group g's block b as the one of the committed block named cid.
+  void identify_window_block(int32_t b, int g, uint64_t cid);
   /// Forgets a block's content (it returns to the free list).
   void forget_block(int32_t b);
 
@@ -184,7 +224,9 @@ class block_manager {
   block_allocator device_, host_;
   std::unordered_map<uint64_t, seq_entry> seqs_;
   std::vector<block_meta> meta_;                 // per device block
-  std::unordered_map<uint64_t, int32_t> cache_;  // hash -> registered device block
+  kv_groups groups_;
+  std::unordered_map<uint64_t, int32_t> cache_;  // hash -> registered device block (group 0)
+  std::unordered_map<uint64_t, int32_t> window_cache_;  // window_key(cid, group) -> registered block
   std::list<int32_t> lru_;                       // unreferenced cached blocks, oldest first
   std::vector<std::list<int32_t>::iterator> lru_pos_;
   uint64_t next_cid_ = 1;

@@ -30,6 +30,12 @@ std::vector<int32_t> table_of(const block_manager& bm, uint64_t seq) {
   return {t.begin(), t.end()};
 }
 
+std::vector<int32_t> tables_of(const block_manager& bm, uint64_t seq) {
+  std::vector<int32_t> all;
+  for (int g = 0; g < bm.n_groups(); ++g) all.insert(all.end(), bm.table(seq, g).begin(), bm.table(seq, g).end());
+  return all;
+}
+
 // Everything observable about the pools, to prove that a failed call left no trace.
 struct snapshot {
   int32_t n_free_device, n_cached, n_free_host;
@@ -40,7 +46,7 @@ struct snapshot {
 snapshot take_snapshot(const block_manager& bm, const std::vector<uint64_t>& ids) {
   snapshot s{bm.n_free_device(), bm.n_cached(), bm.n_free_host(), {}};
   for (uint64_t id : ids)
-    if (bm.has(id)) s.seqs[id] = {table_of(bm, id), bm.n_positions(id)};
+    if (bm.has(id)) s.seqs[id] = {tables_of(bm, id), bm.n_positions(id)};
   return s;
 }
 
@@ -351,12 +357,20 @@ TEST_CASE("failed calls leave no trace", "[kv][block_manager]") {
 
 TEST_CASE("random operations keep every invariant and the KV each sequence reads", "[kv][block_manager]") {
   const int bs = 4;
-  const int32_t n_dev = 40, n_host = 20;
-  const uint64_t seed = GENERATE(1u, 2u, 3u, 4u);
+  const uint64_t seed = GENERATE(1u, 2u, 3u, 4u, 5u, 6u, 7u, 8u);
+  // Seeds 5-8: three groups, two of them sliding windows of 6 positions, over a pool as large
+  // per group.
+  const kv_groups groups = seed > 4 ? kv_groups{3, 6} : kv_groups{};
+  const int32_t n_dev = 40 * groups.n, n_host = 20 * groups.n;
   std::mt19937_64 rng(seed);
   auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
-  block_manager bm(bs, n_dev, n_host);
+  block_manager bm(bs, n_dev, n_host, kv_block_hash, groups);
   fake_memory mem(bs, n_dev, n_host);
+  // The positions a sequence still reads in group g: all of them in group 0, the window of the
+  // next position to compute in a sliding group.
+  auto first_read = [&](int g, int64_t n_computed) -> int64_t {
+    return g == 0 ? 0 : std::max<int64_t>(0, n_computed - groups.window + 1) / bs * bs;
+  };
 
   // A few shared system prompts over a tiny vocabulary, so that prefixes and blocks repeat.
   std::vector<tokens_t> systems;
@@ -381,7 +395,8 @@ TEST_CASE("random operations keep every invariant and the KV each sequence reads
   };
   auto compute = [&](uint64_t id, int64_t upto) {
     model_seq& m = model[id];
-    for (int64_t p = m.n_computed; p < upto; ++p) mem.at(mem.device, bm.table(id), p) = m.tokens[(size_t)p];
+    for (int g = 0; g < bm.n_groups(); ++g)
+      for (int64_t p = m.n_computed; p < upto; ++p) mem.at(mem.device, bm.table(id, g), p) = m.tokens[(size_t)p];
     m.n_computed = upto;
     bm.commit(id, std::span(m.tokens).first((size_t)upto));
   };
@@ -458,10 +473,16 @@ TEST_CASE("random operations keep every invariant and the KV each sequence reads
     for (const auto& [id, m] : model) {
       REQUIRE(bm.n_positions(id) == (int64_t)m.tokens.size());
       auto& pool = bm.is_swapped(id) ? mem.host : mem.device;
-      for (int64_t p = 0; p < m.n_computed; ++p) REQUIRE(mem.at(pool, bm.table(id), p) == m.tokens[(size_t)p]);
+      for (int g = 0; g < bm.n_groups(); ++g) {
+        const auto t = bm.table(id, g);
+        const int64_t lo = first_read(g, m.n_computed);
+        for (int64_t p = 0; p < lo; ++p) REQUIRE(t[(size_t)(p / bs)] == -1);  // given back
+        for (int64_t p = lo; p < m.n_computed; ++p) REQUIRE(mem.at(pool, t, p) == m.tokens[(size_t)p]);
+      }
     }
   }
   // The run exercised what it claims to.
+  INFO("seed " << seed);
   CHECK(n_hits > 20);
   CHECK(n_failures > 10);
   CHECK(n_swaps > 10);
@@ -472,4 +493,105 @@ TEST_CASE("random operations keep every invariant and the KV each sequence reads
   std::vector<uint64_t> ids;
   for (const auto& [id, m] : model) ids.push_back(id);
   require_empty(bm, ids);
+}
+
+TEST_CASE("sliding-window groups give back the blocks that left the window", "[kv][block_manager]") {
+  const int bs = 4;
+  block_manager bm(bs, 30, 30, kv_block_hash, {3, 6});  // group 0 full, groups 1 and 2 windows of 6
+  const tokens_t p = range_tokens(10, 1);
+  REQUIRE(bm.cost_allocate(p).n_blocks == 9);  // 3 blocks in each group
+  REQUIRE(bm.peak_blocks(10, 10) == 9);
+  REQUIRE(bm.allocate(1, p) == 0);
+  REQUIRE(bm.n_held(1) == 9);
+  // Computed up to position 9: position 10 attends to [5, 10], so block 0 (positions 0-3) goes.
+  bm.commit(1, p);
+  REQUIRE(bm.check() == "");
+  for (int g : {1, 2}) {
+    REQUIRE(bm.table(1, g)[0] == -1);
+    REQUIRE(bm.table(1, g)[1] >= 0);
+  }
+  REQUIRE(bm.n_held(1) == 7);
+  REQUIRE(bm.n_cached() == 2);  // committed: kept for a later prefix hit
+  // A step's table: each group's first blocks in turn, -1 where given back.
+  const auto st = bm.step_table(1, 10);
+  REQUIRE(st.size() == 9);
+  REQUIRE(std::vector<int32_t>(st.begin(), st.begin() + 3) == table_of(bm, 1));
+  REQUIRE(st[3] == -1);
+  REQUIRE(st[6] == -1);
+
+  // Decoding: a new block costs one per group; a sliding group holds the two blocks of the window.
+  std::vector<block_copy> copies;
+  tokens_t all = p;
+  for (int i = 0; i < 30; ++i) {
+    REQUIRE(bm.cost_append(1, 1) == (bm.n_positions(1) % bs == 0 ? 3 : 0));
+    REQUIRE(bm.append(1, 1, copies));
+    all.push_back(100 + i);
+    bm.commit(1, all);
+    REQUIRE(bm.check() == "");
+    for (int g : {1, 2}) {
+      int live = 0;
+      for (int32_t b : bm.table(1, g)) live += b >= 0;
+      REQUIRE(live == 2);
+    }
+  }
+  REQUIRE(copies.empty());
+  REQUIRE(bm.table(1).size() == 10);
+  REQUIRE(bm.n_held(1) == 10 + 2 * 2);  // group 0's 10 blocks; blocks 8-9 (position 40's window [35, 40]) twice
+  // Swap: only held blocks move; the given back ones stay given back.
+  REQUIRE(bm.swap_out(1, copies));
+  REQUIRE(copies.size() == 14);
+  REQUIRE(bm.n_free_host() == 30 - 14);
+  copies.clear();
+  REQUIRE(bm.swap_in(1, copies));
+  REQUIRE(bm.table(1, 1)[0] == -1);
+  REQUIRE(bm.check() == "");
+  // A lone sequence's peak: the whole prompt in every group at admission, or the full table
+  // plus the window's blocks once decoding.
+  REQUIRE(bm.peak_blocks(40, 40) == 30);
+  REQUIRE(bm.peak_blocks(8, 400) == 100 + 2 * 3);
+  require_empty(bm, {1});
+}
+
+TEST_CASE("a prefix hit in sliding-window groups needs the window before it", "[kv][block_manager]") {
+  const int bs = 4;
+  block_manager bm(bs, 18, 0, kv_block_hash, {3, 6});
+  const tokens_t p = range_tokens(24, 1);  // 6 full blocks in each of 3 groups: the whole pool
+  REQUIRE(bm.allocate(1, p) == 0);
+  bm.commit(1, p);
+  bm.free(1);
+  REQUIRE(bm.n_cached() == 18);
+  const tokens_t again = concat(p, {99});
+  // The window of position 24 is [19, 24]: blocks 4 and 5 of the sliding groups, both cached.
+  REQUIRE(bm.cost_allocate(again).n_cached_positions == 24);
+  // An unrelated prompt evicts 9 blocks, least recently released first: the sliding groups'
+  // blocks 0-3 (given back while computing), then group 0's tail block 5.
+  REQUIRE(bm.allocate(2, range_tokens(12, 500)) == 0);
+  REQUIRE(bm.stats().n_evictions == 9);
+  REQUIRE(bm.check() == "");
+  // Group 0 alone still holds blocks 0-4 (20 positions), but no hit point has its window's
+  // blocks in the sliding groups: position 20 needs blocks 3 and 4 there, position 16 blocks 2
+  // and 3, ... all evicted. So nothing is reused, rather than the sliding layers reading nothing.
+  REQUIRE(bm.cost_allocate(again).n_cached_positions == 0);
+  REQUIRE(bm.cost_allocate(again).n_blocks == 21);
+  REQUIRE_FALSE(bm.allocate(3, again).has_value());
+  REQUIRE(bm.check() == "");
+  require_empty(bm, {2});
+}
+
+TEST_CASE("a forked sequence shares its window's blocks and copies them on write", "[kv][block_manager]") {
+  const int bs = 4;
+  block_manager bm(bs, 40, 0, kv_block_hash, {2, 5});
+  const tokens_t p = range_tokens(14, 1);
+  REQUIRE(bm.allocate(1, p) == 0);
+  bm.commit(1, p);
+  bm.fork(1, 2);
+  REQUIRE(bm.n_exclusive(1) == 0);
+  std::vector<block_copy> copies;
+  REQUIRE(bm.cost_append(2, 1) == 2);  // the shared partial block, in each group
+  REQUIRE(bm.append(2, 1, copies));
+  REQUIRE(copies.size() == 2);
+  REQUIRE(bm.table(1, 1)[3] != bm.table(2, 1)[3]);
+  REQUIRE(bm.table(1, 1)[2] == bm.table(2, 1)[2]);
+  REQUIRE(bm.check() == "");
+  require_empty(bm, {1, 2});
 }

@@ -31,13 +31,25 @@ cpu_forward::cpu_forward(const model& m, kv_storage& kv, thread_pool& pool, forw
                                 ") are not a range of the model's " + std::to_string(m.hparams().n_layers));
   const auto& hp = hp_;
   const auto& s = kv.shape();
-  if (s.n_layers != layer_end_ - layer_begin_ || s.n_kv_heads != hp.n_kv_heads || s.head_dim != hp.head_dim)
+  const bool layers_ok = s.slots.empty() ? s.n_layers == layer_end_ - layer_begin_
+                                         : layer_begin_ == 0 && s.slots.size() == (size_t)layer_end_ && layer_end_ == m.hparams().n_layers;
+  if (!layers_ok || s.n_kv_heads != hp.n_kv_heads || s.head_dim != hp.head_dim)
     throw std::invalid_argument("cpu_forward: KV storage shape does not match the model");
+  for (int il = layer_begin_; il < layer_end_ && !s.slots.empty(); ++il)
+    if (s.slot_of(il).slot >= s.n_layers || s.slot_of(il).group >= s.n_groups || (s.slot_of(il).group > 0) != m.layer(il).sliding)
+      throw std::invalid_argument("cpu_forward: the KV layer groups do not match the model's sliding-window layers");
 }
 
 const layer_weights& cpu_forward::layer(int il) const { return shard_ ? shard_->layers[(size_t)il] : m_.layer(il); }
 
-void validate_batch(std::span<const seq_chunk> batch, int n_vocab, int block_size, int32_t n_blocks) {
+kv_shape model_kv_shape(const model& m, int block_size, bool grouped) {
+  const auto& hp = m.hparams();
+  std::vector<bool> sliding((size_t)hp.n_layers);
+  for (int il = 0; il < hp.n_layers; ++il) sliding[(size_t)il] = m.layer(il).sliding;
+  return make_kv_shape(sliding, hp.n_kv_heads, hp.head_dim, block_size, hp.sliding_window, grouped);
+}
+
+void validate_batch(std::span<const seq_chunk> batch, int n_vocab, int block_size, int32_t n_blocks, int n_groups, int window) {
   for (size_t i = 0; i < batch.size(); ++i) {
     const seq_chunk& c = batch[i];
     if (c.tokens.empty()) throw std::invalid_argument("forward: chunk " + std::to_string(i) + " has no tokens");
@@ -46,11 +58,17 @@ void validate_batch(std::span<const seq_chunk> batch, int n_vocab, int block_siz
         throw std::invalid_argument("forward: token id " + std::to_string(t) + " outside the vocabulary [0, " +
                                     std::to_string(n_vocab) + ")");
     const int64_t end = c.pos0 + (int64_t)c.tokens.size();
-    if (c.pos0 < 0 || (int64_t)c.block_table.size() < kv_blocks_for(end, block_size))
+    const size_t per_group = c.block_table.size() / (size_t)n_groups;
+    if (c.pos0 < 0 || c.block_table.size() % (size_t)n_groups != 0 || (int64_t)per_group < kv_blocks_for(end, block_size))
       throw std::invalid_argument("forward: block table of chunk " + std::to_string(i) + " does not cover position " +
                                   std::to_string(end - 1));
-    for (int32_t b : c.block_table)
+    // A sliding-window group reads from the window of the chunk's first position on.
+    const auto live = (size_t)(std::max<int64_t>(0, c.pos0 - window + 1) / block_size);
+    for (size_t k = 0; k < c.block_table.size(); ++k) {
+      const int32_t b = c.block_table[k];
+      if (b == -1 && k >= per_group && k % per_group < live) continue;
       if (b < 0 || b >= n_blocks) throw std::invalid_argument("forward: block id " + std::to_string(b) + " out of range");
+    }
   }
 }
 
@@ -193,7 +211,8 @@ void cpu_forward::post_norm(const std::vector<float>& w, int64_t n) {
 }
 
 const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch, std::vector<float>* hidden) {
-  validate_batch(batch, hp_.n_vocab, kv_.shape().block_size, kv_.n_blocks());
+  const kv_shape& ks = kv_.shape();
+  validate_batch(batch, hp_.n_vocab, ks.block_size, kv_.n_blocks(), ks.n_groups, ks.window);
   const auto& hp = hp_;
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim, kvd = (int64_t)hp.n_kv_heads * hp.head_dim;
   const int bs = kv_.shape().block_size;
@@ -240,7 +259,13 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch,
   const float attn_scale = hp.attn_scale > 0 ? hp.attn_scale : 1.0f / std::sqrt((float)hp.head_dim);
   for (int il = layer_begin_; il < layer_end_; ++il) {
     const layer_weights& L = layer(il);
-    const kernels::kv_layer_view kv = kv_.layer(il - layer_begin_);
+    const kv_slot where = ks.slots.empty() ? kv_slot{0, (int16_t)(il - layer_begin_)} : ks.slot_of(il);
+    const kernels::kv_layer_view kv = kv_.layer(where.slot);
+    // The chunk's block table of this layer's group (group after group, each as long).
+    const auto table_of = [&](int64_t ci) {
+      const auto& t = batch[(size_t)ci].block_table;
+      return t.data() + (size_t)where.group * (t.size() / (size_t)ks.n_groups);
+    };
     const attn_plan& plan = L.sliding ? window_ : full_;
     const std::vector<float>& cos_sin = L.sliding ? cos_sin_swa_ : cos_sin_;
 
@@ -269,7 +294,7 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch,
         kernels::rope_row(k, hp.n_kv_heads, hp.head_dim, hp.n_rot, cs, hp.rope);
         const auto [ci, j] = row_seq_[(size_t)r];
         const int64_t p = pos_[(size_t)r];
-        kernels::kv_store_row(kv, batch[(size_t)ci].block_table[(size_t)(p / bs)], (int)(p % bs), k, v);
+        kernels::kv_store_row(kv, table_of(ci)[p / bs], (int)(p % bs), k, v);
       }
     });
 
@@ -285,7 +310,7 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch,
         const auto [ci, j] = row_seq_[(size_t)pt.row];
         const int64_t at = it.part * hp.n_heads + it.h0;
         kernels::attention_partial(&q_[(size_t)(pt.row * qd)], hp.n_heads, pt.p0, pt.p1, kv,
-                                   batch[(size_t)ci].block_table.data(), attn_scale, it.h0, it.h1, &part_m_[(size_t)at],
+                                   table_of(ci), attn_scale, it.h0, it.h1, &part_m_[(size_t)at],
                                    &part_l_[(size_t)at], &part_acc_[(size_t)(at * hp.head_dim)], scratch);
         if (std::atomic_ref<int32_t>(row_left_[(size_t)pt.row]).fetch_sub(1, std::memory_order_acq_rel) == 1) {
           const int64_t first = plan.row_parts[(size_t)pt.row];

@@ -24,15 +24,24 @@ class communicator;
 struct seq_chunk {
   std::span<const token_id> tokens;
   int64_t pos0 = 0;
-  std::span<const int32_t> block_table;  // must cover positions [0, pos0 + tokens.size())
+  // Covers positions [0, pos0 + tokens.size()): with KV layer groups (kv_shape::n_groups), each
+  // group's table in turn, all as long; a sliding group's entries before the window of pos0 may
+  // be -1 (given back).
+  std::span<const int32_t> block_table;
   bool all_logits = false;                // logits for every token, else for the last one only
   bool no_logits = false;                 // no logits at all (a prefill chunk that ends mid-prompt)
 };
 
 /// Checks a step before any backend runs it: every chunk has tokens with ids in [0, n_vocab), and
-/// a block table that covers its positions with ids in [0, n_blocks). Throws std::invalid_argument
-/// naming the chunk, token or block.
-void validate_batch(std::span<const seq_chunk> batch, int n_vocab, int block_size, int32_t n_blocks);
+/// a block table that covers its positions with ids in [0, n_blocks) (-1 in a sliding group's
+/// table before the window of `window` positions). Throws std::invalid_argument naming the
+/// chunk, token or block.
+void validate_batch(std::span<const seq_chunk> batch, int n_vocab, int block_size, int32_t n_blocks, int n_groups = 1,
+                    int window = 0);
+
+/// The KV shape of model m with blocks of block_size positions: with `grouped`, its sliding-window
+/// layers in groups of their own (make_kv_shape); else one group of every layer.
+kv_shape model_kv_shape(const model& m, int block_size, bool grouped);
 
 /// What part of the model this forward runs (default: all of it).
 struct forward_part {

@@ -1,8 +1,30 @@
 #include "engine/kv_cache.hpp"
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace troupe::engine {
+
+kv_shape make_kv_shape(const std::vector<bool>& sliding, int n_kv_heads, int head_dim, int block_size, int window,
+                       bool grouped) {
+  kv_shape s{(int)sliding.size(), n_kv_heads, head_dim, block_size};
+  const int n_full = (int)std::count(sliding.begin(), sliding.end(), false);
+  const int n_sliding = (int)sliding.size() - n_full;
+  if (!grouped || window <= 0 || n_full == 0 || n_sliding == 0) return s;
+  s.n_layers = n_full;
+  s.n_groups = 1 + (n_sliding + n_full - 1) / n_full;
+  s.window = window;
+  int full = 0, slide = 0;
+  for (bool w : sliding) {
+    if (w) {
+      s.slots.push_back({(int16_t)(1 + slide / n_full), (int16_t)(slide % n_full)});
+      ++slide;
+    } else {
+      s.slots.push_back({0, (int16_t)full++});
+    }
+  }
+  return s;
+}
 
 kv_storage::kv_storage(const kv_shape& shape, int32_t n_blocks)
     : shape_(shape), n_blocks_(n_blocks) {

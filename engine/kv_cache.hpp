@@ -4,6 +4,13 @@
 // each position n_kv_heads * head_dim fp16 values. A block is contiguous across layers, so
 // swapping one to host memory is a single copy. A sequence addresses its KV through a block
 // table: position p lives in block table[p / block_size], slot p % block_size.
+//
+// Sliding-window layer groups (Gemma 3): a layer that attends to the last `window` positions
+// only has no use for the KV before them. Its layers then live apart from the full-attention
+// layers: group 0 holds the full-attention layers, each further group as many sliding-window
+// layers (the last group padded), so every block has one size and one pool serves every group
+// (vLLM's hybrid allocator). A sequence has one block table per group; a sliding group's table
+// gives back the blocks that left the window (block_manager), group 0's keeps them all.
 #pragma once
 
 #include <cstdint>
@@ -16,17 +23,37 @@
 
 namespace troupe::engine {
 
+/// Where a model layer's KV lives: its group's block table, and its slot inside each block.
+struct kv_slot {
+  int16_t group = 0;
+  int16_t slot = 0;
+  friend bool operator==(const kv_slot&, const kv_slot&) = default;
+};
+
 struct kv_shape {
-  int n_layers = 0;
+  int n_layers = 0;     // layers in one block: the model's, or one group's
   int n_kv_heads = 0;
   int head_dim = 0;
   int block_size = 16;  // positions per block
+  // Layer groups: empty (one group, model layer il in slot il), or one entry per model layer.
+  std::vector<kv_slot> slots;
+  int n_groups = 1;     // group 0: full attention; groups 1..: sliding windows of `window`
+  int window = 0;       // positions a sliding-window layer attends to, itself included
 
   int64_t row_elems() const { return (int64_t)n_kv_heads * head_dim; }
-  /// fp16 elements in one block (all layers, K and V).
+  /// Model layer il's group and slot.
+  kv_slot slot_of(int il) const { return slots.empty() ? kv_slot{0, (int16_t)il} : slots[(size_t)il]; }
+  /// fp16 elements in one block (all of its layers, K and V).
   int64_t block_elems() const { return (int64_t)n_layers * 2 * block_size * row_elems(); }
   int64_t block_bytes() const { return block_elems() * (int64_t)sizeof(kernels::fp16_t); }
 };
+
+/// The KV shape of a model whose layer il attends to a sliding window when sliding[il] (window
+/// positions). With `grouped`, at least one sliding and one full-attention layer, and window > 0:
+/// group 0 holds the full-attention layers, groups 1.. the sliding ones in layer order, as many
+/// per block as group 0 has. Otherwise one group of every layer (the layout without windows).
+kv_shape make_kv_shape(const std::vector<bool>& sliding, int n_kv_heads, int head_dim, int block_size, int window,
+                       bool grouped);
 
 /// The memory of a paged KV cache. Owns n_blocks blocks; says nothing about who uses them. The
 /// memory is not initialised (every position is written before it is read), so the system

@@ -62,6 +62,8 @@ int64_t logits_rows(const std::vector<seq_chunk>& mb) {
 }
 
 kv_shape stage_shape(const kv_shape& full, int layers) {
+  if (full.n_groups > 1)
+    throw std::invalid_argument("pipeline stages hold their layers' KV in one group: sliding-window groups are not split");
   kv_shape s = full;
   s.n_layers = layers;
   return s;

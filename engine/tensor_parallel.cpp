@@ -190,7 +190,8 @@ void tp_cpu_forward::worker(rank_state& r) {
 const std::vector<float>& tp_cpu_forward::forward(std::span<const seq_chunk> batch) {
   // A bad batch is refused here, before any rank starts (the group stays usable).
   const kv_storage& kv0 = ranks_[0]->device;
-  validate_batch(batch, ranks_[0]->shard.hp.n_vocab, kv0.shape().block_size, kv0.n_blocks());
+  validate_batch(batch, ranks_[0]->shard.hp.n_vocab, kv0.shape().block_size, kv0.n_blocks(), kv0.shape().n_groups,
+                 kv0.shape().window);
   std::unique_lock lk(mu_);
   if (error_) std::rethrow_exception(error_);
   batch_ = batch;

@@ -16,6 +16,8 @@ void add_engine_options(CLI::App& cmd, config::engine_config& c) {
                  "tensor-parallel ranks: the model's heads and feed-forward columns split over them (CPU: the threads are shared)");
   cmd.add_option("--expert-parallel,--ep", c.expert_parallel,
                  "expert-parallel ranks: a mixture of experts' experts split over them (CPU: the threads are shared)");
+  cmd.add_flag("--swa-full", c.swa_full,
+               "sliding-window layers keep the KV of every position (default: only their window's blocks stay)");
   cmd.add_option("--pipeline-parallel,--pp", c.pipeline_parallel,
                  "pipeline stages: the model's layers split over them, micro-batches flowing through (CPU: the threads are shared)");
 }

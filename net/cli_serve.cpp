@@ -51,7 +51,7 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       field("--ws-idle-timeout-s", &c::ws_idle_timeout_s), field("--ws-send-buffer-bytes", &c::ws_send_buffer_bytes),
       engine_field("--model", &e::model_path), engine_field("--threads", &e::n_threads), engine_field("--ctx-size", &e::n_ctx),
       engine_field("--kv-block-size", &e::kv_block_size), engine_field("--batch-size", &e::n_batch), engine_field("--device", &e::device), engine_field("--tensor-parallel", &e::tensor_parallel),
-      engine_field("--pipeline-parallel", &e::pipeline_parallel), engine_field("--expert-parallel", &e::expert_parallel), field("--kv-mb", &c::kv_mb),
+      engine_field("--pipeline-parallel", &e::pipeline_parallel), engine_field("--expert-parallel", &e::expert_parallel), engine_field("--swa-full", &e::swa_full), field("--kv-mb", &c::kv_mb),
       field("--max-num-seqs", &c::max_num_seqs), field("--max-waiting", &c::max_waiting),
       field("--max-waiting-tokens", &c::max_waiting_tokens), field("--queue-timeout-s", &c::queue_timeout_s),
       field("--preemption", &c::preemption), field("--plan-ahead", &c::plan_ahead),
@@ -117,6 +117,7 @@ int run_serve(serve_opts& o) {
   eo.pipeline_parallel = ec.pipeline_parallel;
   eo.expert_parallel = ec.expert_parallel;
   eo.kv_block_size = ec.kv_block_size;
+  eo.kv_window_groups = !ec.swa_full;
   eo.max_kv_bytes = c.kv_mb << 20;
   eo.sched.max_batched_tokens = ec.n_batch;
   eo.sched.max_num_seqs = (int32_t)c.max_num_seqs;

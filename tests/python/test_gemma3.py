@@ -157,3 +157,49 @@ def test_chat_uses_the_architectures_format_or_the_named_one():
             assert st == 200, comp
             assert chat["choices"][0]["message"]["content"] == comp["choices"][0]["text"], args
             assert chat["usage"]["prompt_tokens"] == comp["usage"]["prompt_tokens"], args
+
+
+def test_sliding_window_kv_groups_serve_what_full_kv_serves():
+    """By default the sliding-window layers' KV lives in groups of its own that give back the blocks
+    out of the window; --swa-full keeps every position (one table of every layer). Same greedy
+    tokens both ways: three long prompts at once, prefilled in chunks of 64 past the 512-position
+    window, then the first again (a prefix-cache hit needs the sliding groups' window before it).
+    The memory: six times the blocks, each a sixth of the size (3 of 18 layers)."""
+    import http.client
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    def complete(port, prompt):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 24, "temperature": 0}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        assert resp.status == 200, body
+        return body["choices"][0]["text"], body["usage"]["prompt_tokens"]
+
+    def metric(port, name):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/metrics")
+        for line in conn.getresponse().read().decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.split()[-1])
+        raise AssertionError(f"{name} missing from /metrics")
+
+    prompts = [LONG, LONG + " Then the rain came.", "Once more: " + LONG]
+    runs = {}
+    for args in [(), ("--swa-full",)]:
+        with running_server("--model", str(GEMMA), "--batch-size", "64", "--kv-mb", "64", *args) as (port, _):
+            with ThreadPoolExecutor(len(prompts)) as ex:
+                outs = list(ex.map(lambda p: complete(port, p), prompts))
+            hits_before = metric(port, "troupe_prefix_cache_hits_total")
+            again = complete(port, prompts[0])
+            runs[args] = (outs, again, metric(port, "troupe_prefix_cache_hits_total") - hits_before,
+                          metric(port, "troupe_kv_blocks_total"), metric(port, "troupe_kv_blocks_used"))
+    (outs, again, hits, blocks, used), (full_outs, full_again, full_hits, full_blocks, full_used) = runs[()], runs[("--swa-full",)]
+    assert all(n > 512 + 100 for _, n in outs), "every prompt must take the window past its 512 positions"
+    assert outs == full_outs
+    assert again == outs[0] and full_again == full_outs[0]
+    assert hits > 512 and full_hits > 512, (hits, full_hits)  # the repeat was served from the cache
+    assert 0 <= blocks - 6 * full_blocks < 6  # the same --kv-mb, in blocks a sixth of the size
+    assert used == 0 and full_used == 0  # every block back once idle (cached ones are not "used")
