@@ -182,7 +182,9 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   if (dev_blocks > INT32_MAX || host_pool > INT32_MAX) throw std::invalid_argument("the KV cache has more than 2^31 blocks: lower --kv-mb");
   const auto n_dev = (int32_t)dev_blocks, n_host = (int32_t)host_pool;
   scheduler_config sc = o.sched;
-  const int64_t pool_positions = (int64_t)n_dev * o.kv_block_size;
+  // The sliding-window groups hold blocks one step's tokens past the computed positions.
+  const engine::kv_groups groups{shape.n_groups, shape.window, std::max(2, sc.max_batched_tokens)};
+  const int64_t pool_positions = engine::kv_max_positions(o.kv_block_size, n_dev, groups);
   const int64_t limit = std::min<int64_t>(hp.n_ctx_train, pool_positions);
   if (sc.max_model_len == 0 || sc.max_model_len > limit) sc.max_model_len = limit;
 
@@ -197,7 +199,7 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
     p->cfg.set("middleman.connection-timeout", span(o.replica_dead_after_s));
   }
   p->sys = std::make_unique<caf::actor_system>(p->cfg);
-  scheduler_config_msg scm{sc, p->model, o.kv_block_size, n_dev, n_host, o.step_timeout_s, {shape.n_groups, shape.window}};
+  scheduler_config_msg scm{sc, p->model, o.kv_block_size, n_dev, n_host, o.step_timeout_s, groups};
   p->scheduler = spawn_scheduler(*p->sys, scm);
   executor_config ec{p->model, o.n_threads, shape, n_dev, n_host, o.cuda_device, o.tensor_parallel, o.pipeline_parallel, o.expert_parallel,
                      sc.max_batched_tokens, sc.max_num_seqs, sc.max_model_len, o.fail_executor_start,

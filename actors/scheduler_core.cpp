@@ -76,7 +76,7 @@ admission scheduler_core::add(request_spec req, double now) {
                                              std::to_string(req.max_tokens) + ") exceeds the model length of " +
                                              std::to_string(cfg_.max_model_len));
   // The last sampled token is never fed back: total - 1 positions at most.
-  if (kv_.peak_blocks(n_prompt, total - 1) + cfg_.kv_watermark_blocks > kv_.n_device())
+  if (kv_.peak_blocks(total - 1) + cfg_.kv_watermark_blocks > kv_.n_device())
     return refuse(admit_error::too_long, "the prompt (" + std::to_string(n_prompt) + " tokens) plus max_tokens (" +
                                              std::to_string(req.max_tokens) + ") needs more KV cache than the " +
                                              std::to_string(kv_.n_device()) + " blocks of " +

@@ -290,8 +290,9 @@ TEST_CASE("random traffic: every output equals the reference, pools end full", "
   c.kv_watermark_blocks = uni(0, 2);
   c.preemption = seed % 2 ? preemption_mode::swap : preemption_mode::recompute;
   // Seeds 5-8: three KV groups, two of them sliding windows of 7 positions (Gemma 3's layout),
-  // over a pool three times as large.
-  const troupe::engine::kv_groups groups = seed > 4 ? troupe::engine::kv_groups{3, 7} : troupe::engine::kv_groups{};
+  // holding blocks a step's tokens ahead, over a pool three times as large.
+  const troupe::engine::kv_groups groups =
+      seed > 4 ? troupe::engine::kv_groups{3, 7, c.max_batched_tokens} : troupe::engine::kv_groups{};
   driver d(c, 4, uni(12, 28) * groups.n, (uni(0, 1) ? uni(0, 8) : 64) * groups.n, groups);
   d.stop = [](uint64_t, token_id t) { return t % 97 == 0; };
   std::vector<tokens_t> systems;
@@ -387,6 +388,24 @@ TEST_CASE("pipelining: decodes planned ahead reproduce the reference, and the pl
       });
       for (uint64_t id = 1; id <= 12; ++id) d.require_reference(id);
       CHECK(n_ahead > 0);
+      CHECK(!d.preempted.empty());
+      d.require_drained();
+    }
+  }
+  SECTION("sliding-window groups: steps planned ahead read their windows while the blocks behind go back") {
+    for (preemption_mode mode : {preemption_mode::swap, preemption_mode::recompute}) {
+      c.preemption = mode;
+      driver d(c, 4, 3 * 12, 3 * 24, {3, 5, c.max_batched_tokens});
+      uint64_t next_id = 1;
+      const int n_ahead = d.run_pipelined([&](int i) {
+        if (i % 3 == 0 && next_id <= 10) {
+          const uint64_t id = next_id++;
+          REQUIRE(d.add(id, prompt_of(3 + (int)(id * 7 % 13), (token_id)id * 11), 20 + (int32_t)(id % 7)).ok());
+        }
+        return next_id <= 10;
+      });
+      for (uint64_t id = 1; id <= 10; ++id) d.require_reference(id);
+      CHECK(n_ahead > 20);
       CHECK(!d.preempted.empty());
       d.require_drained();
     }

@@ -38,13 +38,26 @@ block_manager::block_manager(int block_size, int32_t n_device, int32_t n_host, b
       groups_(groups),
       lru_pos_((size_t)n_device) {
   if (block_size <= 0) throw std::invalid_argument("block_manager: block_size must be > 0");
-  if (groups.n < 1 || groups.n > 255 || groups.window < 0 || (groups.n > 1) != (groups.window > 0))
-    throw std::invalid_argument("block_manager: 1..255 groups, and a window > 0 exactly when there are sliding groups");
+  if (groups.n < 1 || groups.n > 255 || groups.window < 0 || (groups.n > 1) != (groups.window > 0) || groups.step_tokens < 0)
+    throw std::invalid_argument("block_manager: 1..255 groups, a window > 0 exactly when there are sliding groups, step_tokens >= 0");
 }
 
 int64_t block_manager::live_from(int64_t n_computed) const {
   if (groups_.n == 1) return 0;
   return std::max<int64_t>(0, n_computed - groups_.window + 1) / block_size_;
+}
+
+int64_t block_manager::cover_to(int64_t n_positions, int64_t n_computed, int64_t covered) const {
+  int64_t to = kv_blocks_for(n_positions, block_size_);
+  if (groups_.step_tokens > 0) to = std::min<int64_t>(to, kv_blocks_for(n_computed + groups_.step_tokens, block_size_));
+  return std::max(covered, to);
+}
+
+int32_t block_manager::growth(const seq_entry& e, int64_t n_new) const {
+  const int64_t n = e.n_positions + n_new;
+  auto fresh = (int32_t)(kv_blocks_for(n, block_size_) - (int64_t)e.tables[0].size());
+  if (groups_.n > 1) fresh += (int32_t)(cover_to(n, e.n_computed, e.n_covered) - e.n_covered) * (groups_.n - 1);
+  return fresh;
 }
 
 double block_manager::usage() const {
@@ -194,9 +207,10 @@ void block_manager::release_device(int32_t b) {
 allocation_cost block_manager::cost_allocate(std::span<const token_id> prompt) const {
   const chain_hit hit = match_prefix(prompt);
   const int32_t n_total = kv_blocks_for((int64_t)prompt.size(), block_size_);
+  const auto h = (int64_t)hit.blocks.size();
   allocation_cost c;
-  c.n_cached_positions = (int64_t)hit.blocks.size() * block_size_;
-  c.n_blocks = (n_total - (int32_t)hit.blocks.size()) * groups_.n + hit.n_parked;
+  c.n_cached_positions = h * block_size_;
+  c.n_blocks = (int32_t)(n_total - h + (cover_to((int64_t)prompt.size(), h * block_size_, h) - h) * (groups_.n - 1)) + hit.n_parked;
   return c;
 }
 
@@ -207,19 +221,19 @@ bool block_manager::can_allocate(std::span<const token_id> prompt) const {
 int32_t block_manager::cost_append(uint64_t seq, int64_t n_new) const {
   const seq_entry& e = get(seq);
   if (e.swapped) throw std::logic_error("block_manager::cost_append: " + seq_name(seq) + " is swapped out");
-  if (n_new <= 0) return 0;
-  const int32_t fresh = kv_blocks_for(e.n_positions + n_new, block_size_) - (int32_t)e.tables[0].size();
+  if (n_new < 0) return 0;
   int32_t cow = 0;
-  if (e.n_positions % block_size_ != 0)
-    for (const auto& t : e.tables) cow += device_.ref_count(t.back()) > 1;
-  return fresh * groups_.n + cow;
+  if (n_new > 0 && e.n_positions % block_size_ != 0)
+    for (const auto& t : e.tables) cow += t.back() >= 0 && device_.ref_count(t.back()) > 1;
+  return growth(e, n_new) + cow;
 }
 
 std::vector<int32_t> block_manager::step_table(uint64_t seq, int64_t n_positions) const {
   const seq_entry& e = get(seq);
   if (e.swapped) throw std::logic_error("block_manager::step_table: " + seq_name(seq) + " is swapped out");
   const auto n = (size_t)kv_blocks_for(n_positions, block_size_);
-  if (n > e.tables[0].size()) throw std::logic_error("block_manager::step_table: " + seq_name(seq) + " does not cover the step");
+  if (n > e.tables[0].size() || (groups_.n > 1 && (int64_t)n > e.n_covered))
+    throw std::logic_error("block_manager::step_table: " + seq_name(seq) + " does not cover the step");
   std::vector<int32_t> out;
   out.reserve(n * e.tables.size());
   for (const auto& t : e.tables) out.insert(out.end(), t.begin(), t.begin() + (ptrdiff_t)n);
@@ -233,13 +247,26 @@ int32_t block_manager::n_held(uint64_t seq) const {
   return n;
 }
 
-int32_t block_manager::peak_blocks(int64_t n_prompt, int64_t n_positions) const {
+namespace {
+// Blocks a sliding group holds at most: those of [c - window + 1, c + step_tokens) for c
+// computed positions (-1: every block of the sequence).
+int32_t window_blocks(int block_size, kv_groups g) {
+  return g.step_tokens > 0 ? kv_blocks_for(g.window + g.step_tokens - 1, block_size) + 1 : -1;
+}
+}  // namespace
+
+int32_t block_manager::peak_blocks(int64_t n_positions) const {
   const int32_t all = kv_blocks_for(n_positions, block_size_);
-  if (groups_.n == 1) return all;
-  // Decoding: the window and the position being computed, one more block ahead, in every
-  // sliding group; admitted: the whole prompt in every group.
-  const int32_t live = std::min(all, kv_blocks_for(groups_.window + 1, block_size_) + 1);
-  return std::max(kv_blocks_for(n_prompt, block_size_) * groups_.n, all + live * (groups_.n - 1));
+  const int32_t live = window_blocks(block_size_, groups_);
+  return all + (live < 0 ? all : std::min(all, live)) * (groups_.n - 1);
+}
+
+int64_t kv_max_positions(int block_size, int32_t n_device, kv_groups g) {
+  const int32_t live = window_blocks(block_size, g);
+  if (g.n == 1 || live < 0) return (int64_t)(n_device / g.n) * block_size;
+  // The most blocks b of group 0 with b + min(b, live) * (n - 1) <= n_device.
+  const int32_t b = std::max(std::min(live, n_device / g.n), n_device - live * (g.n - 1));
+  return (int64_t)b * block_size;
 }
 
 std::vector<std::vector<int32_t>> block_manager::swap_in_hits(const seq_entry& e) const {
@@ -260,8 +287,7 @@ std::vector<std::vector<int32_t>> block_manager::swap_in_hits(const seq_entry& e
 int32_t block_manager::cost_swap_in(uint64_t seq, int64_t n_extra) const {
   const seq_entry& e = get(seq);
   if (!e.swapped) throw std::logic_error("block_manager::cost_swap_in: " + seq_name(seq) + " is resident");
-  int32_t n = n_held(seq) +
-              (kv_blocks_for(e.n_positions + std::max<int64_t>(n_extra, 0), block_size_) - (int32_t)e.tables[0].size()) * groups_.n;
+  int32_t n = n_held(seq) + growth(e, std::max<int64_t>(n_extra, 0));
   // Committed blocks still referenced in the cache cost nothing (parked ones still leave the pool).
   for (const auto& group : swap_in_hits(e))
     for (int32_t b : group)
@@ -287,8 +313,10 @@ std::optional<int64_t> block_manager::allocate(uint64_t seq, std::span<const tok
   stats_.n_lookup_tokens += (int64_t)prompt.size();
   chain_hit hit = match_prefix(prompt);
   const int32_t n_total = kv_blocks_for((int64_t)prompt.size(), block_size_);
-  const int32_t n_fresh = n_total - (int32_t)hit.blocks.size();
-  if (n_fresh * groups_.n + hit.n_parked > n_available_device()) return std::nullopt;
+  const auto h = (int32_t)hit.blocks.size();
+  const int32_t n_fresh = n_total - h;
+  const auto covered = (int32_t)cover_to((int64_t)prompt.size(), (int64_t)h * block_size_, h);
+  if (n_fresh + (covered - h) * (groups_.n - 1) + hit.n_parked > n_available_device()) return std::nullopt;
 
   seq_entry e;
   e.tables.resize((size_t)groups_.n);
@@ -302,11 +330,13 @@ std::optional<int64_t> block_manager::allocate(uint64_t seq, std::span<const tok
       if (b >= 0) acquire_cached(b);
       e.tables[(size_t)g].push_back(b);
     }
-  for (auto& t : e.tables)
-    for (int32_t i = 0; i < n_fresh; ++i) t.push_back(take_device_block());
+  for (int32_t i = 0; i < n_fresh; ++i) e.tables[0].push_back(take_device_block());
+  for (size_t g = 1; g < e.tables.size(); ++g)
+    for (int32_t j = h; j < n_total; ++j) e.tables[g].push_back(j < covered ? take_device_block() : -1);
   e.n_positions = (int64_t)prompt.size();
-  const int64_t n_cached = (int64_t)hit.blocks.size() * block_size_;
+  const int64_t n_cached = (int64_t)h * block_size_;
   e.n_computed = n_cached;
+  e.n_covered = groups_.n > 1 ? covered : 0;
   e.hashes = std::move(hit.hashes);
   e.cids = std::move(hit.cids);
   e.tokens.assign(prompt.begin(), prompt.begin() + n_cached);
@@ -318,11 +348,10 @@ std::optional<int64_t> block_manager::allocate(uint64_t seq, std::span<const tok
 bool block_manager::append(uint64_t seq, int64_t n_new, std::vector<block_copy>& copies) {
   if (n_new < 0) throw std::invalid_argument("block_manager::append: negative position count");
   const int32_t cost = cost_append(seq, n_new);  // throws for unknown or swapped sequences
-  if (n_new == 0) return true;
   if (cost > n_available_device()) return false;
   seq_entry& e = get(seq);
   for (auto& t : e.tables) {
-    if (e.n_positions % block_size_ == 0 || device_.ref_count(t.back()) == 1) continue;
+    if (n_new == 0 || e.n_positions % block_size_ == 0 || t.back() < 0 || device_.ref_count(t.back()) == 1) continue;
     const int32_t old = t.back();
     const int32_t fresh = take_device_block();
     copies.push_back({block_copy::kind::device_to_device, old, fresh});
@@ -331,8 +360,15 @@ bool block_manager::append(uint64_t seq, int64_t n_new, std::vector<block_copy>&
     ++stats_.n_cow_copies;
   }
   const int32_t n_total = kv_blocks_for(e.n_positions + n_new, block_size_);
-  for (auto& t : e.tables)
-    while ((int32_t)t.size() < n_total) t.push_back(take_device_block());
+  while ((int32_t)e.tables[0].size() < n_total) e.tables[0].push_back(take_device_block());
+  if (groups_.n > 1) {
+    const int64_t covered = cover_to(e.n_positions + n_new, e.n_computed, e.n_covered);
+    for (size_t g = 1; g < e.tables.size(); ++g) {
+      e.tables[g].resize((size_t)n_total, -1);
+      for (int64_t j = e.n_covered; j < covered; ++j) e.tables[g][(size_t)j] = take_device_block();
+    }
+    e.n_covered = covered;
+  }
   e.n_positions += n_new;
   return true;
 }
@@ -514,14 +550,17 @@ std::string block_manager::check() const {
       return who + ": inconsistent committed blocks";
     auto& refs = e.swapped ? host_refs : dev_refs;
     const int64_t lo = live_from(e.n_computed);
+    if (groups_.n > 1 && (e.n_covered > kv_blocks_for(e.n_positions, block_size_) || e.n_covered < kv_blocks_for(e.n_computed, block_size_)))
+      return who + ": sliding groups cover " + std::to_string(e.n_covered) + " blocks";
     for (size_t g = 0; g < e.tables.size(); ++g) {
       const auto& t = e.tables[g];
       if ((int64_t)t.size() != (int64_t)kv_blocks_for(e.n_positions, block_size_))
         return who + ": table of " + std::to_string(t.size()) + " blocks for " + std::to_string(e.n_positions) + " positions";
       for (size_t j = 0; j < t.size(); ++j) {
         const int32_t b = t[j];
-        if (g > 0 && (b < 0) != ((int64_t)j < lo))
-          return who + ": group " + std::to_string(g) + " block " + std::to_string(j) + (b < 0 ? " given back in" : " kept out of") + " the window";
+        if (g > 0 && (b < 0) != ((int64_t)j < lo || (int64_t)j >= e.n_covered))
+          return who + ": group " + std::to_string(g) + " block " + std::to_string(j) + (b < 0 ? " missing from" : " held out of") +
+                 " blocks [" + std::to_string(lo) + ", " + std::to_string(e.n_covered) + ")";
         if (b < 0 && g > 0) continue;
         if (b < 0 || b >= (int32_t)refs.size()) return who + ": block id " + std::to_string(b) + " out of range";
         ++refs[(size_t)b];

@@ -16,9 +16,12 @@
 //   and is evicted least recently released first, only when a fresh block is needed and the free
 //   list is empty. A sequence's tail blocks are released before its head, so they go first.
 // - Sliding-window groups (kv_groups, kv_cache.hpp's layout): a sequence has one table per
-//   group, all over the one device pool. Group 0 (full attention) keeps every block; a sliding
-//   group's block j is given back once no position still to compute attends to it (commit: every
-//   position of the block < n_computed - window + 1) and reads -1 from then on. A sliding
+//   group, all over the one device pool. Group 0 (full attention) holds a block for every
+//   position; a sliding group only for [n_computed - window + 1, n_computed + step_tokens): its
+//   block j is given back once no position still to compute attends to it (commit: every
+//   position of the block < n_computed - window + 1), and the blocks ahead are taken as the
+//   computed positions advance (append, also of 0 positions: cost_append counts them, so a
+//   scheduler plans them as any growth). Entries outside read -1. A sliding
 //   group's committed block is cached under group 0's content id of the same block (that id
 //   already names the whole prefix), so a prefix hit needs, in every sliding group, the blocks of
 //   the window before the hit, and is shortened until it has them.
@@ -70,11 +73,18 @@ struct block_manager_stats {
 };
 
 /// Layer groups of the KV (kv_shape::n_groups, window): group 0 full attention, groups 1..n-1
-/// sliding windows of `window` positions.
+/// sliding windows of `window` positions. step_tokens: the most positions one step computes for
+/// a sequence (a scheduler's token budget); the sliding groups hold blocks that far past the
+/// computed positions (0: to the end of the sequence, a whole prompt from its allocation).
 struct kv_groups {
   int n = 1;
   int window = 0;
+  int step_tokens = 0;
 };
+
+/// Positions one sequence with a short prompt can reach in a pool of n_device blocks (every
+/// group's blocks counted, block_manager::peak_blocks).
+int64_t kv_max_positions(int block_size, int32_t n_device, kv_groups groups);
 
 /// What allocate() would do for a prompt, without doing it.
 struct allocation_cost {
@@ -91,7 +101,7 @@ class block_manager {
 
   int block_size() const { return block_size_; }
   int n_groups() const { return groups_.n; }
-  int window() const { return groups_.window; }
+  const kv_groups& groups() const { return groups_; }
   int32_t n_device() const { return device_.n_blocks(); }
   int32_t n_host() const { return host_.n_blocks(); }
   /// Device blocks on the free list (cached blocks excluded).
@@ -117,15 +127,15 @@ class block_manager {
   std::vector<int32_t> step_table(uint64_t seq, int64_t n_positions) const;
   /// Blocks the sequence holds in its pool (every group): what a swap-out takes on the host.
   int32_t n_held(uint64_t seq) const;
-  /// Device blocks a lone sequence needs at most: admitted with n_prompt positions, grown to
-  /// n_positions (the sliding groups hold a whole prompt until its prefill is computed).
-  int32_t peak_blocks(int64_t n_prompt, int64_t n_positions) const;
+  /// Device blocks a lone sequence of n_positions positions needs at most, from its admission on.
+  int32_t peak_blocks(int64_t n_positions) const;
   /// Full blocks of this sequence committed as computed.
   int32_t n_committed_blocks(uint64_t seq) const { return (int32_t)get(seq).hashes.size(); }
   /// Prefix hits and blocks allocate(prompt) would take (exact for one call on today's state).
   allocation_cost cost_allocate(std::span<const token_id> prompt) const;
   bool can_allocate(std::span<const token_id> prompt) const;
-  /// Fresh device blocks append(seq, n_new) needs, copy-on-write included. Resident only.
+  /// Fresh device blocks append(seq, n_new) needs, copy-on-write and the sliding groups' blocks
+  /// ahead included (which may make it > 0 for n_new == 0). Resident only.
   int32_t cost_append(uint64_t seq, int64_t n_new) const;
   /// Device blocks swap_in(seq) then append(seq, n_extra) need at most. Swapped only.
   int32_t cost_swap_in(uint64_t seq, int64_t n_extra = 0) const;
@@ -140,7 +150,9 @@ class block_manager {
   std::optional<int64_t> allocate(uint64_t seq, std::span<const token_id> prompt);
   /// Grows a resident sequence's table by n_new >= 0 positions. When the last block is partly
   /// filled and shared it is first copied (copy-on-write; a device_to_device op is appended).
-  /// Returns false when out of blocks (nothing changed).
+  /// The sliding groups take their blocks up to step_tokens past the computed positions. Call it
+  /// (n_new may be 0) before every step of the sequence. Returns false when out of blocks
+  /// (nothing changed).
   bool append(uint64_t seq, int64_t n_new, std::vector<block_copy>& copies);
   /// Marks positions [0, tokens.size()) of a resident sequence as computed: full blocks among
   /// them become cacheable. tokens: the ids at those positions (prompt then generated); the
@@ -171,6 +183,7 @@ class block_manager {
     std::vector<std::vector<int32_t>> tables;  // per group
     int64_t n_positions = 0;
     int64_t n_computed = 0;  // positions committed as computed (the sliding windows follow it)
+    int64_t n_covered = 0;   // sliding groups: blocks taken up to this one (exclusive)
     // The committed full blocks (their KV computed): chain hash, content id, tokens.
     std::vector<uint64_t> hashes;
     std::vector<uint64_t> cids;
@@ -200,6 +213,10 @@ class block_manager {
   chain_hit match_prefix(std::span<const token_id> prompt) const;
   /// First block of a sliding group still attended to once n_computed positions are computed.
   int64_t live_from(int64_t n_computed) const;
+  /// Blocks the sliding groups cover once n_positions positions are held, n_computed computed.
+  int64_t cover_to(int64_t n_positions, int64_t n_computed, int64_t covered) const;
+  /// Fresh blocks (copy-on-write aside) for n_new more positions of e, every group.
+  int32_t growth(const seq_entry& e, int64_t n_new) const;
   /// The cached block of sliding group g for the block whose group-0 content id is cid, or -1.
   int32_t find_window(uint64_t cid, int g) const;
   static uint64_t window_key(uint64_t cid, int g) { return cid * 256 + (uint64_t)g; }

@@ -359,8 +359,9 @@ TEST_CASE("random operations keep every invariant and the KV each sequence reads
   const int bs = 4;
   const uint64_t seed = GENERATE(1u, 2u, 3u, 4u, 5u, 6u, 7u, 8u);
   // Seeds 5-8: three groups, two of them sliding windows of 6 positions, over a pool as large
-  // per group.
-  const kv_groups groups = seed > 4 ? kv_groups{3, 6} : kv_groups{};
+  // per group; seeds 7 and 8 compute at most 5 positions a step (the sliding groups' blocks
+  // ahead are taken as they go), 5 and 6 any number.
+  const kv_groups groups = seed > 4 ? kv_groups{3, 6, seed > 6 ? 5 : 0} : kv_groups{};
   const int32_t n_dev = 40 * groups.n, n_host = 20 * groups.n;
   std::mt19937_64 rng(seed);
   auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
@@ -426,8 +427,14 @@ TEST_CASE("random operations keep every invariant and the KV each sequence reads
         failed = true;
       }
     } else if (op < 45) {  // a step computes some positions
-      if (uint64_t id = pick(false); id && model[id].n_computed < (int64_t)model[id].tokens.size())
-        compute(id, uni((int)model[id].n_computed + 1, (int)model[id].tokens.size()));
+      if (uint64_t id = pick(false); id && model[id].n_computed < (int64_t)model[id].tokens.size()) {
+        if (bm.append(id, 0, copies)) {  // the sliding groups' blocks ahead
+          const int64_t c = model[id].n_computed, n = (int64_t)model[id].tokens.size();
+          compute(id, uni((int)c + 1, (int)(groups.step_tokens > 0 ? std::min<int64_t>(n, c + groups.step_tokens) : n)));
+        } else {
+          failed = true;
+        }
+      }
     } else if (op < 62) {  // a decode or the next chunk: new positions
       if (uint64_t id = pick(false)) {
         const int n = uni(1, 6);
@@ -497,15 +504,30 @@ TEST_CASE("random operations keep every invariant and the KV each sequence reads
 
 TEST_CASE("sliding-window groups give back the blocks that left the window", "[kv][block_manager]") {
   const int bs = 4;
-  block_manager bm(bs, 30, 30, kv_block_hash, {3, 6});  // group 0 full, groups 1 and 2 windows of 6
+  // Groups 1 and 2: windows of 6 positions; one step computes at most 4 positions of a sequence.
+  block_manager bm(bs, 30, 30, kv_block_hash, {3, 6, 4});
   const tokens_t p = range_tokens(10, 1);
-  REQUIRE(bm.cost_allocate(p).n_blocks == 9);  // 3 blocks in each group
-  REQUIRE(bm.peak_blocks(10, 10) == 9);
+  // Group 0 takes the whole prompt, the sliding groups the first step's block.
+  REQUIRE(bm.cost_allocate(p).n_blocks == 3 + 2);
   REQUIRE(bm.allocate(1, p) == 0);
-  REQUIRE(bm.n_held(1) == 9);
+  REQUIRE(bm.n_held(1) == 5);
+  REQUIRE(bm.table(1, 1)[1] == -1);
+  REQUIRE_THROWS_AS(bm.step_table(1, 8), std::logic_error);  // positions 4-7: not taken yet
+  std::vector<block_copy> copies;
+  tokens_t all = p;
+  int64_t done = 0;
+  auto step = [&](int64_t n) {  // a scheduler's step of n positions of the sequence
+    REQUIRE(bm.append(1, 0, copies));
+    REQUIRE(bm.step_table(1, done + n).size() == 3 * (size_t)kv_blocks_for(done + n, bs));
+    done += n;
+    bm.commit(1, std::span(all).first((size_t)done));
+    REQUIRE(bm.check() == "");
+  };
+  step(4);
+  REQUIRE(bm.cost_append(1, 0) == 2);  // the next step's block, in each sliding group
+  step(4);
   // Computed up to position 9: position 10 attends to [5, 10], so block 0 (positions 0-3) goes.
-  bm.commit(1, p);
-  REQUIRE(bm.check() == "");
+  step(2);
   for (int g : {1, 2}) {
     REQUIRE(bm.table(1, g)[0] == -1);
     REQUIRE(bm.table(1, g)[1] >= 0);
@@ -520,12 +542,11 @@ TEST_CASE("sliding-window groups give back the blocks that left the window", "[k
   REQUIRE(st[6] == -1);
 
   // Decoding: a new block costs one per group; a sliding group holds the two blocks of the window.
-  std::vector<block_copy> copies;
-  tokens_t all = p;
   for (int i = 0; i < 30; ++i) {
     REQUIRE(bm.cost_append(1, 1) == (bm.n_positions(1) % bs == 0 ? 3 : 0));
     REQUIRE(bm.append(1, 1, copies));
     all.push_back(100 + i);
+    ++done;
     bm.commit(1, all);
     REQUIRE(bm.check() == "");
     for (int g : {1, 2}) {
@@ -545,10 +566,18 @@ TEST_CASE("sliding-window groups give back the blocks that left the window", "[k
   REQUIRE(bm.swap_in(1, copies));
   REQUIRE(bm.table(1, 1)[0] == -1);
   REQUIRE(bm.check() == "");
-  // A lone sequence's peak: the whole prompt in every group at admission, or the full table
-  // plus the window's blocks once decoding.
-  REQUIRE(bm.peak_blocks(40, 40) == 30);
-  REQUIRE(bm.peak_blocks(8, 400) == 100 + 2 * 3);
+  // A lone sequence's peak: every block of group 0, and in each sliding group those of a window
+  // and a step ([c - 5, c + 4): 4 blocks at most).
+  REQUIRE(bm.peak_blocks(40) == 10 + 4 * 2);
+  REQUIRE(bm.peak_blocks(400) == 100 + 4 * 2);
+  REQUIRE(bm.peak_blocks(8) == 2 * 3);
+  // The longest it can grow in this pool: 22 blocks of group 0 and 4 in each sliding group.
+  REQUIRE(kv_max_positions(bs, 30, {3, 6, 4}) == 88);
+  REQUIRE(bm.peak_blocks(88) == 30);
+  REQUIRE(bm.peak_blocks(89) == 31);
+  REQUIRE(kv_max_positions(bs, 6, {3, 6, 4}) == 8);  // a pool smaller than three windows
+  REQUIRE(kv_max_positions(bs, 30, {3, 6}) == 40);    // no step bound: whole tables in every group
+  REQUIRE(kv_max_positions(bs, 30, {}) == 120);
   require_empty(bm, {1});
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "actors/engine_handle.hpp"
+#include "engine/forward.hpp"
 #include "engine/model.hpp"
 #include "kernels/matmul.hpp"
 #include "kernels/thread_pool.hpp"
@@ -72,16 +73,21 @@ int run_load_bench(const load_opts& o) {
   eo.model_path = ec.model_path;
   eo.n_threads = ec.n_threads;
   eo.kv_block_size = ec.kv_block_size;
-  const int32_t per_seq = engine::kv_blocks_for((int64_t)o.prompt_len + o.gen_len, ec.kv_block_size) + 1;
+  eo.kv_window_groups = !ec.swa_full;
+  eo.cuda_device = config::parse_device(ec.device);
+  eo.pipeline_parallel = ec.pipeline_parallel;
+  // Room for every sequence at once with every layer's KV: with sliding-window groups, as many
+  // blocks per group (the same memory; a block holds a group's layers).
+  const bool grouped = eo.kv_window_groups && eo.cuda_device < 0 && eo.pipeline_parallel == 1;
+  const int n_groups = engine::model_kv_shape(*probe, ec.kv_block_size, grouped).n_groups;
+  const int32_t per_seq = (engine::kv_blocks_for((int64_t)o.prompt_len + o.gen_len, ec.kv_block_size) + 1) * n_groups;
   eo.n_device_blocks = per_seq * o.concurrency;
   eo.n_host_blocks = per_seq * o.concurrency;
   eo.sched.max_num_seqs = std::max(o.concurrency, 1);
   eo.sched.max_batched_tokens = ec.n_batch;
   eo.sched.plan_ahead = o.plan_ahead;
   eo.sched.target_itl_ms = o.target_itl_ms;
-  eo.cuda_device = config::parse_device(ec.device);
   eo.tensor_parallel = ec.tensor_parallel;
-  eo.pipeline_parallel = ec.pipeline_parallel;
   eo.expert_parallel = ec.expert_parallel;
   const int n_vocab = probe->vocab().n_vocab();
   const size_t weight_bytes = probe->weight_bytes_per_token();

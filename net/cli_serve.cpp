@@ -145,7 +145,7 @@ int run_serve(serve_opts& o) {
     if (!m.hparams().name.empty()) api.aliases.push_back(m.hparams().name);
     api.created = created;
     const auto st = v->engine->stats();
-    int64_t limit = std::min<int64_t>(m.hparams().n_ctx_train, (int64_t)st.n_device_blocks * o.kv_block_size);
+    int64_t limit = std::min<int64_t>(m.hparams().n_ctx_train, st.max_positions);
     if (n_ctx > 0) limit = std::min<int64_t>(limit, n_ctx);
     api.max_model_len = limit;
     api.max_n = max_n;

@@ -58,7 +58,7 @@ TEST_CASE("sliding-window groups: same logits as one table, with the blocks out 
   kv_storage kv_flat(flat, n_flat);
   kv_storage kv_grouped(grouped, n_flat * 6);
   cpu_forward f_flat(m, kv_flat, pool), f_grouped(m, kv_grouped, pool);
-  block_manager bm(bs, n_flat * 6, 0, kv_block_hash, {grouped.n_groups, grouped.window});
+  block_manager bm(bs, n_flat * 6, 0, kv_block_hash, {grouped.n_groups, grouped.window, 100});
   std::vector<int32_t> flat_table((size_t)n_flat);
   for (int32_t i = 0; i < n_flat; ++i) flat_table[(size_t)i] = i;
   REQUIRE(bm.allocate(1, prompt) == 0);
@@ -69,6 +69,9 @@ TEST_CASE("sliding-window groups: same logits as one table, with the blocks out 
   const size_t n_vocab = (size_t)m.hparams().n_vocab;
   auto step = [&](int64_t n) {
     const std::span<const token_id> chunk = std::span(tokens).subspan((size_t)done, (size_t)n);
+    std::vector<block_copy> none;
+    REQUIRE(bm.append(1, 0, none));  // the sliding groups' blocks for this step
+    REQUIRE(none.empty());
     const std::vector<int32_t> table = bm.step_table(1, done + n);
     const std::vector<float> a = f_flat.forward(std::vector{seq_chunk{chunk, done, flat_table}});
     const std::vector<float>& b = f_grouped.forward(std::vector{seq_chunk{chunk, done, table}});
@@ -93,7 +96,8 @@ TEST_CASE("sliding-window groups: same logits as one table, with the blocks out 
       }
     return (token_id)(std::max_element(a.begin(), a.end()) - a.begin());
   };
-  // Prefill in chunks of 100 (the windows move inside a chunk), then greedy decodes.
+  // Prefill in chunks of 100 (the windows move inside a chunk; the sliding groups take blocks 100
+  // positions ahead), then greedy decodes.
   token_id next = -1;
   while (done < (int64_t)prompt.size()) next = step(std::min<int64_t>(100, (int64_t)prompt.size() - done));
   std::vector<block_copy> copies;
