@@ -416,6 +416,8 @@ void block_manager::commit(uint64_t seq, std::span<const token_id> tokens) {
     }
     for (int g = 1; g < groups_.n; ++g) {
       int32_t& w = e.tables[(size_t)g][j];  // in the window: committed blocks are at or after it
+      if (w < 0)
+        throw std::logic_error("block_manager::commit: " + seq_name(seq) + " computed positions its sliding groups do not hold (append before each step)");
       if (meta_[(size_t)w].cid != 0) continue;  // shared, identified by the sequence that committed it first
       if (const int32_t dup = find_window(cid, g); dup >= 0) {
         acquire_cached(dup);

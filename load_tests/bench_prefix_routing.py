@@ -15,9 +15,7 @@ import json
 import os
 import pathlib
 import random
-import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,45 +24,10 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "load_tests"))
+from bench_util import free_port, get, metric, wait  # noqa: E402
 from load_prompts import WORDS  # noqa: E402
 
 TROUPE = os.environ.get("TROUPE_BIN", str(ROOT / "build" / "troupe"))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(port, path):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    c.request("GET", path)
-    r = c.getresponse()
-    body = r.read().decode()
-    c.close()
-    return r.status, body
-
-
-def metric(port, name):
-    total = 0.0
-    for line in get(port, "/metrics")[1].splitlines():
-        m = re.match(r"^" + re.escape(name) + r"(\{[^}]*\})? (\S+)$", line)
-        if m:
-            total += float(m.group(2))
-    return total
-
-
-def wait(cond, timeout, what):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            if cond():
-                return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"timed out: {what}")
 
 
 def serve(port, *args):

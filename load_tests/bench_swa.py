@@ -16,52 +16,18 @@ import http.client
 import json
 import os
 import pathlib
-import re
 import signal
-import socket
 import subprocess
+import sys
 import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "load_tests"))
+from bench_util import free_port, get, metrics, wait  # noqa: E402
+
 TROUPE = os.environ.get("TROUPE_BIN", str(ROOT / "build" / "troupe"))
 GEMMA = ROOT / "models" / "gemma3-270m.gguf"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(port, path):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    c.request("GET", path)
-    r = c.getresponse()
-    body = r.read().decode()
-    c.close()
-    return r.status, body
-
-
-def metrics(port, names):
-    out = dict.fromkeys(names, 0.0)
-    for line in get(port, "/metrics")[1].splitlines():
-        m = re.match(r"^(\w+)(\{[^}]*\})? (\S+)$", line)
-        if m and m.group(1) in out:
-            out[m.group(1)] += float(m.group(3))
-    return out
-
-
-def wait(cond, timeout, what):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            if cond():
-                return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"timed out: {what}")
 
 
 def complete(port, prompt, max_tokens):
