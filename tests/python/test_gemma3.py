@@ -203,3 +203,42 @@ def test_sliding_window_kv_groups_serve_what_full_kv_serves():
     assert hits > 512 and full_hits > 512, (hits, full_hits)  # the repeat was served from the cache
     assert 0 <= blocks - 6 * full_blocks < 6  # the same --kv-mb, in blocks a sixth of the size
     assert used == 0 and full_used == 0  # every block back once idle (cached ones are not "used")
+
+
+def test_sliding_window_groups_survive_preemption():
+    """A KV pool too small for three long generations at once: with sliding-window groups, sequences
+    are preempted (swapped to host with their windows, or recomputed) and resumed, and each greedy
+    text equals the one generated with room to spare."""
+    import http.client
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    def complete(port, prompt):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 40, "temperature": 0,
+                                                            "ignore_eos": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        assert resp.status == 200, body
+        return body["choices"][0]["text"]
+
+    def preemptions(port, mode):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/metrics")
+        return sum(float(line.split()[-1]) for line in conn.getresponse().read().decode().splitlines()
+                   if line.startswith("troupe_preemptions_total{") and f'mode="{mode}"' in line)
+
+    prompts = [LONG, "Again: " + LONG, "And once more: " + LONG]
+    texts = {}
+    for args in [("--kv-mb", "64"), ("--kv-mb", "20", "--preemption", "swap"), ("--kv-mb", "20", "--preemption", "recompute")]:
+        with running_server("--model", str(GEMMA), "--batch-size", "64", *args) as (port, _):
+            with ThreadPoolExecutor(len(prompts)) as ex:
+                texts[args] = list(ex.map(lambda p: complete(port, p), prompts))
+            n = {mode: preemptions(port, mode) for mode in ("swap", "recompute")}
+            if args[1] == "64":
+                assert n == {"swap": 0, "recompute": 0}, n
+            else:
+                assert n[args[-1]] > 0, (args, n)
+    roomy = texts[("--kv-mb", "64")]
+    for args, got in texts.items():
+        assert got == roomy, args
