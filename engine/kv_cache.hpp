@@ -1,8 +1,9 @@
 // Paged KV cache storage and block bookkeeping (plain code; the KV-cache manager actor owns one).
 //
-// Storage: n_blocks blocks; block b holds, for every layer, K then V of block_size positions,
-// each position n_kv_heads * head_dim fp16 values. A block is contiguous across layers, so
-// swapping one to host memory is a single copy. A sequence addresses its KV through a block
+// Storage: n_blocks blocks; block b holds, for each of its layers (every layer of the model, or
+// one group's: below), K then V of block_size positions, each position n_kv_heads * head_dim
+// fp16 values. A block is contiguous across its layers, so swapping one to host memory is a
+// single copy. A sequence addresses its KV through a block
 // table: position p lives in block table[p / block_size], slot p % block_size.
 //
 // Sliding-window layer groups (Gemma 3): a layer that attends to the last `window` positions

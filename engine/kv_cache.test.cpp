@@ -62,3 +62,27 @@ TEST_CASE("kv_storage layer views tile each block with disjoint, head-major K an
   REQUIRE(kv_blocks_for(16, 16) == 1);
   REQUIRE(kv_blocks_for(17, 16) == 2);
 }
+
+TEST_CASE("make_kv_shape puts sliding-window layers in groups as large as the full-attention one", "[kv]") {
+  // Gemma 3 1B's pattern, cut at 13 layers: full attention at 5 and 11, sliding elsewhere.
+  std::vector<bool> sliding(13, true);
+  sliding[5] = sliding[11] = false;
+  const kv_shape g = make_kv_shape(sliding, 1, 256, 16, 512, true);
+  REQUIRE(g.n_layers == 2);
+  REQUIRE(g.n_groups == 1 + 6);  // 11 sliding layers in groups of 2, the last one padded
+  REQUIRE(g.window == 512);
+  REQUIRE(g.slot_of(5) == kv_slot{0, 0});
+  REQUIRE(g.slot_of(11) == kv_slot{0, 1});
+  REQUIRE(g.slot_of(0) == kv_slot{1, 0});
+  REQUIRE(g.slot_of(6) == kv_slot{3, 1});   // the 6th sliding layer
+  REQUIRE(g.slot_of(12) == kv_slot{6, 0});  // the 11th, alone in the last group
+  REQUIRE(g.block_bytes() * 13 == make_kv_shape(sliding, 1, 256, 16, 512, false).block_bytes() * 2);
+  // One group of every layer: not asked, no window, or nothing to group.
+  for (const kv_shape& one : {make_kv_shape(sliding, 1, 256, 16, 512, false), make_kv_shape(sliding, 1, 256, 16, 0, true),
+                              make_kv_shape(std::vector<bool>(4, true), 1, 256, 16, 512, true),
+                              make_kv_shape(std::vector<bool>(4, false), 1, 256, 16, 512, true)}) {
+    REQUIRE(one.n_groups == 1);
+    REQUIRE(one.slots.empty());
+    REQUIRE(one.slot_of(3) == kv_slot{0, 3});
+  }
+}
