@@ -138,6 +138,7 @@ struct engine_stats {
   engine::block_manager_stats kv;
   int32_t n_device_blocks = 0, n_free_device = 0, n_cached = 0, n_host_blocks = 0, n_free_host = 0;
   int64_t max_positions = 0;  // positions one sequence can reach in the device pool (kv_max_positions)
+  engine::kv_groups kv_groups;  // the KV layer groups (sliding-window layers apart) the pool serves
   size_t n_running = 0, n_waiting = 0;
   int32_t executor_restarts = 0;
   bool executor_alive = false, circuit_open = false;

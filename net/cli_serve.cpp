@@ -148,6 +148,11 @@ int run_serve(serve_opts& o) {
     int64_t limit = std::min<int64_t>(m.hparams().n_ctx_train, st.max_positions);
     if (n_ctx > 0) limit = std::min<int64_t>(limit, n_ctx);
     api.max_model_len = limit;
+    if (st.kv_groups.n > 1)
+      std::fprintf(stderr,
+                   "troupe serve: %s: KV cache of %d blocks in %d layer groups: the sliding-window layers keep their last %d "
+                   "positions (--swa-full: every position); one sequence can reach %lld positions\n",
+                   path.c_str(), (int)st.n_device_blocks, st.kv_groups.n, st.kv_groups.window, (long long)st.max_positions);
     api.max_n = max_n;
     const std::string src = m.file().get_string("tokenizer.chat_template").value_or("");
     const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : "";
