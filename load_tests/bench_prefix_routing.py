@@ -15,7 +15,6 @@ import json
 import os
 import pathlib
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "load_tests"))
-from bench_util import free_port, get, metric, wait  # noqa: E402
+from bench_util import free_port, get, metric, stop, wait  # noqa: E402
 from load_prompts import WORDS  # noqa: E402
 
 TROUPE = os.environ.get("TROUPE_BIN", str(ROOT / "build" / "troupe"))
@@ -103,11 +102,7 @@ def run(policy, a):
         }
     finally:
         for p in procs:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            stop(p)
 
 
 def main():

@@ -16,7 +16,6 @@ import http.client
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import threading
@@ -24,7 +23,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "load_tests"))
-from bench_util import free_port, get, metrics, wait  # noqa: E402
+from bench_util import free_port, get, metrics, stop, wait  # noqa: E402
 
 TROUPE = os.environ.get("TROUPE_BIN", str(ROOT / "build" / "troupe"))
 GEMMA = ROOT / "models" / "gemma3-270m.gguf"
@@ -84,11 +83,7 @@ def run(layout_args, a):
         return {"preempted": preempted, "wall_s": wall, "tok_s": n_tokens / wall, "tokens": n_tokens, "peak_running": peak["running"],
                 "peak_used_blocks": peak["used"], "blocks": total_blocks, "texts": [t for t, _ in results]}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, 30)
 
 
 def main():

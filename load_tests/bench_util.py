@@ -1,7 +1,9 @@
-"""Helpers the benchmark scripts share: a free port, GET, Prometheus counters, bounded waits."""
+"""Helpers the benchmark scripts share: a free port, GET, Prometheus counters, bounded waits, stopping a server."""
 import http.client
 import re
+import signal
 import socket
+import subprocess
 import time
 
 
@@ -45,3 +47,12 @@ def wait(cond, timeout, what):
             pass
         time.sleep(0.1)
     raise SystemExit(f"timed out: {what}")
+
+
+def stop(proc, timeout=15):
+    """SIGTERM, then SIGKILL if the process has not exited within timeout seconds."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
