@@ -11,6 +11,7 @@
 
 #include "actors/runtime.hpp"
 #include "engine/device_module.hpp"
+#include "engine/forward.hpp"
 #include "engine/split_forward.hpp"
 
 namespace troupe::actors {
@@ -129,6 +130,10 @@ struct engine_handle::impl {
   int32_t max_tokens_cap = 0;
 };
 
+engine::kv_shape engine_kv_shape(const engine::model& m, const engine_options& o) {
+  return engine::model_kv_shape(m, o.kv_block_size, o.kv_window_groups && o.cuda_device < 0 && o.pipeline_parallel == 1);
+}
+
 std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   caf_thread_release release;  // destroyed last: after the scoped_actor below, or the handle if we throw
   if (o.n_threads < 1) throw std::invalid_argument("n_threads must be at least 1");
@@ -164,8 +169,7 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   if (std::string err = engine::parallel_error(*p->model, {o.tensor_parallel, o.pipeline_parallel, o.expert_parallel}); !err.empty())
     throw std::invalid_argument(err);
   const auto& hp = p->model->hparams();
-  const bool grouped = o.kv_window_groups && o.cuda_device < 0 && o.pipeline_parallel == 1;
-  const engine::kv_shape shape = engine::model_kv_shape(*p->model, o.kv_block_size, grouped);
+  const engine::kv_shape shape = engine_kv_shape(*p->model, o);
   const int64_t dev_blocks = o.n_device_blocks > 0 ? o.n_device_blocks : std::max<int64_t>(1, o.max_kv_bytes / shape.block_bytes());
   const int64_t host_pool = o.n_host_blocks > 0 ? o.n_host_blocks : dev_blocks;
   // Host memory of the KV pools (both on the CPU; the swap pool alone, pinned, with a GPU): more

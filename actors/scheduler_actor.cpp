@@ -284,7 +284,7 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
         r.s.sched = s.core->stats();
         r.s.kv = s.kv->stats();
         r.s.n_device_blocks = s.kv->n_device();
-        r.s.max_positions = engine::kv_max_positions(s.kv->block_size(), s.kv->n_device(), s.kv->groups());
+        r.s.max_positions = s.kv->max_positions();
         r.s.kv_groups = s.kv->groups();
         r.s.n_free_device = s.kv->n_free_device();
         r.s.n_cached = s.kv->n_cached();

@@ -129,6 +129,8 @@ class block_manager {
   int32_t n_held(uint64_t seq) const;
   /// Device blocks a lone sequence of n_positions positions needs at most, from its admission on.
   int32_t peak_blocks(int64_t n_positions) const;
+  /// kv_max_positions of this pool.
+  int64_t max_positions() const { return kv_max_positions(block_size_, n_device(), groups_); }
   /// Full blocks of this sequence committed as computed.
   int32_t n_committed_blocks(uint64_t seq) const { return (int32_t)get(seq).hashes.size(); }
   /// Prefix hits and blocks allocate(prompt) would take (exact for one call on today's state).

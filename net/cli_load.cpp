@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "actors/engine_handle.hpp"
-#include "engine/forward.hpp"
 #include "engine/model.hpp"
 #include "kernels/matmul.hpp"
 #include "kernels/thread_pool.hpp"
@@ -78,8 +77,7 @@ int run_load_bench(const load_opts& o) {
   eo.pipeline_parallel = ec.pipeline_parallel;
   // Room for every sequence at once with every layer's KV: with sliding-window groups, as many
   // blocks per group (the same memory; a block holds a group's layers).
-  const bool grouped = eo.kv_window_groups && eo.cuda_device < 0 && eo.pipeline_parallel == 1;
-  const int n_groups = engine::model_kv_shape(*probe, ec.kv_block_size, grouped).n_groups;
+  const int n_groups = actors::engine_kv_shape(*probe, eo).n_groups;
   const int32_t per_seq = (engine::kv_blocks_for((int64_t)o.prompt_len + o.gen_len, ec.kv_block_size) + 1) * n_groups;
   eo.n_device_blocks = per_seq * o.concurrency;
   eo.n_host_blocks = per_seq * o.concurrency;

@@ -1,8 +1,10 @@
 """Starting and stopping `troupe serve` for the HTTP / WebSocket tests (bounded waits, always stopped)."""
 import contextlib
 import http.client
+import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +15,32 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "default.gguf"
 TROUPE = os.environ.get("TROUPE_BIN", str(ROOT / "build" / "troupe"))
+
+
+def request(port, method, path, body=None, timeout=120):
+    """(status, the JSON body, or its text when it is not JSON)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request(method, path, body=json.dumps(body) if body is not None else None,
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    try:
+        return r.status, json.loads(data)
+    except ValueError:
+        return r.status, data.decode()
+
+
+def metrics(port):
+    """Every troupe_* series of /metrics, keyed by name and labels as written."""
+    st, text = request(port, "GET", "/metrics")
+    assert st == 200
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'^(troupe_\w+)(\{[^}]*\})? (\S+)$', line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
 
 
 def free_port():

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llama_ref as lr  # noqa: E402
 from gemma3_ref import Gemma3Ref  # noqa: E402
-from serve_util import TROUPE, running_server  # noqa: E402
+from serve_util import TROUPE, metrics, request, running_server  # noqa: E402
 
 GEMMA = ROOT / "models" / "gemma3-270m.gguf"
 pytestmark = pytest.mark.skipif(not (Path(TROUPE).exists() and GEMMA.exists()),
@@ -115,34 +115,31 @@ def test_greedy_follows_llamacpp(llm, tmp_path):
         assert not lr.check_greedy(rows, gen, REL_TOL), text
 
 
+def complete(port, prompt, max_tokens, **extra):
+    """A greedy /v1/completions call that must succeed; its JSON body."""
+    st, body = request(port, "POST", "/v1/completions",
+                       {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}, timeout=300)
+    assert st == 200, body
+    return body
+
+
+def metric_sum(port, name, having=""):
+    """The series of a /metrics family whose labels contain `having`, summed."""
+    return sum(v for k, v in metrics(port).items() if k.split("{")[0] == name and having in k)
+
+
 def test_served_over_http():
-    import http.client
-    import json
     with running_server("--model", str(GEMMA)) as (port, _):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "The capital of France is", "max_tokens": 8,
-                                                            "temperature": 0}), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        body = json.loads(resp.read())
-        assert resp.status == 200, body
+        body = complete(port, "The capital of France is", 8)
         assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["text"]
-        conn.request("GET", "/v1/models")
-        models = json.loads(conn.getresponse().read())
+        st, models = request(port, "GET", "/v1/models")
+        assert st == 200, models
         assert models["data"][0]["id"] == "gemma3-270m"
 
 
 def test_chat_uses_the_architectures_format_or_the_named_one():
     """The file carries no chat template: chat takes Gemma's format (the architecture's), and is the
     completion of the Gemma-rendered prompt; --chat-template names another (here chatml)."""
-    import http.client
-    import json
-
-    def post(port, path, body):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
-
     msgs = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a fruit."}]
     renderings = {
         (): "<start_of_turn>user\nAnswer briefly.\n\nName a fruit.<end_of_turn>\n<start_of_turn>model\n",
@@ -151,10 +148,9 @@ def test_chat_uses_the_architectures_format_or_the_named_one():
     }
     for args, rendered in renderings.items():
         with running_server("--model", str(GEMMA), *args) as (port, _):
-            st, chat = post(port, "/v1/chat/completions", {"messages": msgs, "max_tokens": 12, "temperature": 0})
+            st, chat = request(port, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 12, "temperature": 0})
             assert st == 200, chat
-            st, comp = post(port, "/v1/completions", {"prompt": rendered, "max_tokens": 12, "temperature": 0})
-            assert st == 200, comp
+            comp = complete(port, rendered, 12)
             assert chat["choices"][0]["message"]["content"] == comp["choices"][0]["text"], args
             assert chat["usage"]["prompt_tokens"] == comp["usage"]["prompt_tokens"], args
 
@@ -165,37 +161,22 @@ def test_sliding_window_kv_groups_serve_what_full_kv_serves():
     tokens both ways: three long prompts at once, prefilled in chunks of 64 past the 512-position
     window, then the first again (a prefix-cache hit needs the sliding groups' window before it).
     The memory: six times the blocks, each a sixth of the size (3 of 18 layers)."""
-    import http.client
-    import json
     from concurrent.futures import ThreadPoolExecutor
 
-    def complete(port, prompt):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 24, "temperature": 0}),
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        body = json.loads(resp.read())
-        assert resp.status == 200, body
+    def text_and_prompt_len(port, prompt):
+        body = complete(port, prompt, 24)
         return body["choices"][0]["text"], body["usage"]["prompt_tokens"]
-
-    def metric(port, name):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        conn.request("GET", "/metrics")
-        for line in conn.getresponse().read().decode().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.split()[-1])
-        raise AssertionError(f"{name} missing from /metrics")
 
     prompts = [LONG, LONG + " Then the rain came.", "Once more: " + LONG]
     runs = {}
     for args in [(), ("--swa-full",)]:
         with running_server("--model", str(GEMMA), "--batch-size", "64", "--kv-mb", "64", *args) as (port, _):
             with ThreadPoolExecutor(len(prompts)) as ex:
-                outs = list(ex.map(lambda p: complete(port, p), prompts))
-            hits_before = metric(port, "troupe_prefix_cache_hits_total")
-            again = complete(port, prompts[0])
-            runs[args] = (outs, again, metric(port, "troupe_prefix_cache_hits_total") - hits_before,
-                          metric(port, "troupe_kv_blocks_total"), metric(port, "troupe_kv_blocks_used"))
+                outs = list(ex.map(lambda p: text_and_prompt_len(port, p), prompts))
+            hits_before = metric_sum(port, "troupe_prefix_cache_hits_total")
+            again = text_and_prompt_len(port, prompts[0])
+            runs[args] = (outs, again, metric_sum(port, "troupe_prefix_cache_hits_total") - hits_before,
+                          metric_sum(port, "troupe_kv_blocks_total"), metric_sum(port, "troupe_kv_blocks_used"))
     (outs, again, hits, blocks, used), (full_outs, full_again, full_hits, full_blocks, full_used) = runs[()], runs[("--swa-full",)]
     assert all(n > 512 + 100 for _, n in outs), "every prompt must take the window past its 512 positions"
     assert outs == full_outs
@@ -209,32 +190,15 @@ def test_sliding_window_groups_survive_preemption():
     """A KV pool too small for three long generations at once: with sliding-window groups, sequences
     are preempted (swapped to host with their windows, or recomputed) and resumed, and each greedy
     text equals the one generated with room to spare."""
-    import http.client
-    import json
     from concurrent.futures import ThreadPoolExecutor
-
-    def complete(port, prompt):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 40, "temperature": 0,
-                                                            "ignore_eos": True}), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        body = json.loads(resp.read())
-        assert resp.status == 200, body
-        return body["choices"][0]["text"]
-
-    def preemptions(port, mode):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        conn.request("GET", "/metrics")
-        return sum(float(line.split()[-1]) for line in conn.getresponse().read().decode().splitlines()
-                   if line.startswith("troupe_preemptions_total{") and f'mode="{mode}"' in line)
 
     prompts = [LONG, "Again: " + LONG, "And once more: " + LONG]
     texts = {}
     for args in [("--kv-mb", "64"), ("--kv-mb", "20", "--preemption", "swap"), ("--kv-mb", "20", "--preemption", "recompute")]:
         with running_server("--model", str(GEMMA), "--batch-size", "64", *args) as (port, _):
             with ThreadPoolExecutor(len(prompts)) as ex:
-                texts[args] = list(ex.map(lambda p: complete(port, p), prompts))
-            n = {mode: preemptions(port, mode) for mode in ("swap", "recompute")}
+                texts[args] = list(ex.map(lambda p: complete(port, p, 40, ignore_eos=True)["choices"][0]["text"], prompts))
+            n = {mode: metric_sum(port, "troupe_preemptions_total", f'mode="{mode}"') for mode in ("swap", "recompute")}
             if args[1] == "64":
                 assert n == {"swap": 0, "recompute": 0}, n
             else:

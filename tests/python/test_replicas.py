@@ -9,7 +9,6 @@ the replica runs its generations, a replica of another model.
 """
 import http.client
 import json
-import re
 import signal
 import subprocess
 import threading
@@ -17,33 +16,9 @@ import time
 
 import pytest
 
-from serve_util import MODEL, free_port, running_server, health_ok, stop, TROUPE
+from serve_util import MODEL, free_port, running_server, health_ok, metrics, request, stop, TROUPE
 
 pytestmark = pytest.mark.skipif(not MODEL.exists(), reason="default model not installed (scripts/setup.sh)")
-
-
-def request(port, method, path, body=None, timeout=120):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    conn.request(method, path, body=json.dumps(body) if body is not None else None,
-                 headers={"Content-Type": "application/json"})
-    r = conn.getresponse()
-    data = r.read()
-    conn.close()
-    try:
-        return r.status, json.loads(data)
-    except ValueError:
-        return r.status, data.decode()
-
-
-def metrics(port):
-    st, text = request(port, "GET", "/metrics")
-    assert st == 200
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r'^(troupe_\w+)(\{[^}]*\})? (\S+)$', line)
-        if m:
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return out
 
 
 def replica_series(port, name, replica):
