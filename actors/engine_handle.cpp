@@ -170,17 +170,19 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
     throw std::invalid_argument(err);
   const auto& hp = p->model->hparams();
   const engine::kv_shape shape = engine_kv_shape(*p->model, o);
-  const int64_t dev_blocks = o.n_device_blocks > 0 ? o.n_device_blocks : std::max<int64_t>(1, o.max_kv_bytes / shape.block_bytes());
+  // A block id's bytes over every rank (copies included: replicated KV heads, expert parallel).
+  const int64_t block_bytes = engine::split_block_bytes(shape, {o.tensor_parallel, o.pipeline_parallel, o.expert_parallel});
+  const int64_t dev_blocks = o.n_device_blocks > 0 ? o.n_device_blocks : std::max<int64_t>(1, o.max_kv_bytes / block_bytes);
   const int64_t host_pool = o.n_host_blocks > 0 ? o.n_host_blocks : dev_blocks;
   // Host memory of the KV pools (both on the CPU; the swap pool alone, pinned, with a GPU): more
   // than the machine has would only fail later, slowly (or be killed), so refuse it here.
   const int64_t host_blocks = (o.cuda_device < 0 ? dev_blocks : 0) + host_pool;
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  if (pages > 0 && page > 0 && host_blocks > ((int64_t)pages * page) / shape.block_bytes()) {
+  if (pages > 0 && page > 0 && host_blocks > ((int64_t)pages * page) / block_bytes) {
     const auto mib = [](int64_t b) { return std::to_string(b >> 20) + " MiB"; };
-    throw std::invalid_argument("the KV cache needs " + mib(host_blocks * shape.block_bytes()) + " of host memory (" +
+    throw std::invalid_argument("the KV cache needs " + mib(host_blocks * block_bytes) + " of host memory (" +
                                 std::to_string(dev_blocks) + " blocks and " + std::to_string(host_pool) + " swap blocks of " +
-                                std::to_string(shape.block_bytes() >> 10) + " KiB); this machine has " +
+                                std::to_string(block_bytes >> 10) + " KiB); this machine has " +
                                 mib((int64_t)pages * page) + ": lower --kv-mb");
   }
   if (dev_blocks > INT32_MAX || host_pool > INT32_MAX) throw std::invalid_argument("the KV cache has more than 2^31 blocks: lower --kv-mb");

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "engine/pipeline_parallel.hpp"
+#include "engine/split_forward.hpp"
 #include "engine/tensor_parallel.hpp"
 #include "kernels/thread_pool.hpp"
 
@@ -135,6 +136,38 @@ TEST_CASE("tensor parallel: f32 model, 2 ranks equal 1 rank to float rounding", 
   CHECK(worst_rel(tp, ref) < 1e-4);
 }
 
+TEST_CASE("tensor parallel: fewer KV heads than ranks, each replicated on the ranks that read it, equal 1 rank", "[engine][tp]") {
+  // qwen2_f32_mqa: 4 query heads, 1 KV head (and K/V biases); llama_f32_gqa2: 4 query heads, 2 KV
+  // heads, so 4 ranks hold KV heads 0, 0, 1, 1.
+  const auto [fixture, n] = GENERATE(std::pair{"qwen2_f32_mqa", 2}, std::pair{"qwen2_f32_mqa", 4}, std::pair{"llama_f32_gqa2", 4});
+  INFO(fixture << " on " << n << " ranks");
+  auto m = load(std::string("tests/fixtures/generated/") + fixture + ".gguf");
+  const auto& hp = m->hparams();
+  REQUIRE(hp.n_kv_heads < n);
+  REQUIRE(tensor_parallel_error(*m, n).empty());
+  REQUIRE(kv_heads_per_rank(hp.n_kv_heads, n) == 1);
+  for (int r = 0; r < n; ++r) {
+    const model_shard s = shard_model(*m, r, n);
+    CHECK(s.hp.n_kv_heads == 1);
+    CHECK(s.hp.n_heads == hp.n_heads / n);
+    // The rank's K rows are those of the KV head its query heads read.
+    const int kv_head = r * hp.n_heads / n / (hp.n_heads / hp.n_kv_heads);
+    CHECK(s.layers[0].wk.data == (const uint8_t*)m->layer(0).wk.data + (size_t)kv_head * hp.head_dim * m->layer(0).wk.row_stride);
+  }
+  const auto ref = unsharded(*m, 8);
+  const auto tp = sharded(*m, n, 8);
+  CHECK(worst_rel(tp, ref) < 1e-4);  // a rank reading another head's K/V would be off by far more
+}
+
+TEST_CASE("split_block_bytes: a block id's bytes over every rank, copies included", "[engine][tp][pp][ep]") {
+  const kv_shape gqa2{2, 2, 16, 16};  // 2 layers, 2 KV heads of 16 values, 16 positions
+  CHECK(split_block_bytes(gqa2, {}) == gqa2.block_bytes());
+  CHECK(split_block_bytes(gqa2, {.tensor = 2}) == gqa2.block_bytes());       // each rank its head
+  CHECK(split_block_bytes(gqa2, {.tensor = 4}) == 2 * gqa2.block_bytes());   // each head on 2 ranks
+  CHECK(split_block_bytes(gqa2, {.pipeline = 2}) == gqa2.block_bytes());     // each stage its layers
+  CHECK(split_block_bytes(gqa2, {.expert = 4}) == 4 * gqa2.block_bytes());   // attention replicated
+}
+
 TEST_CASE("tensor parallel: the default model (Q4_1) on 3 ranks matches 1 rank", "[engine][tp][model]") {
   auto m = load("models/default.gguf");
   const auto& hp = m->hparams();
@@ -158,7 +191,12 @@ TEST_CASE("tensor parallel: the default model (Q4_1) on 3 ranks matches 1 rank",
 TEST_CASE("tensor parallel: shapes that do not split are refused with the reason", "[engine][tp]") {
   auto m = load("models/default.gguf");  // 9 heads, 3 KV heads, d_ff 1536
   CHECK_THAT(tensor_parallel_error(*m, 2), Catch::Contains("9 attention heads does not split into 2"));
-  CHECK_THAT(tensor_parallel_error(*m, 9), Catch::Contains("3 KV heads"));
+  CHECK_THAT(tensor_parallel_error(*m, 6), Catch::Contains("9 attention heads"));
+  CHECK_THAT(tensor_parallel_error(*m, 9), Catch::Contains("a feed-forward width of 1536"));  // 3 KV heads replicate over 9
+  auto gqa2 = load("tests/fixtures/generated/llama_f32_gqa2.gguf");  // 4 heads, 2 KV heads: 4 ranks replicate them
+  CHECK(tensor_parallel_error(*gqa2, 4).empty());
+  auto gqa = load("tests/fixtures/generated/llama_q4_k.gguf");  // 4 heads, 2 KV heads
+  CHECK_THAT(tensor_parallel_error(*gqa, 4), Catch::Contains("input columns"));  // KV heads fine; O's Q4_K blocks not
   CHECK(tensor_parallel_error(*m, 1).empty());
   CHECK(tensor_parallel_error(*m, 3).empty());
   auto q4k = load("tests/fixtures/generated/llama_q4_k.gguf");  // O: 256 input columns, blocks of 256

@@ -17,6 +17,12 @@ std::string parallel_error(const model& m, const parallelism& p) {
   return {};
 }
 
+int64_t split_block_bytes(const kv_shape& full, const parallelism& p) {
+  if (p.tensor > 1) return shard_kv_shape(full, p.tensor).block_bytes() * p.tensor;
+  if (p.expert > 1) return full.block_bytes() * p.expert;
+  return full.block_bytes();  // whole, or pipeline stages holding their own layers
+}
+
 split_forward::split_forward(const model& m, const parallelism& p, const kv_shape& full, int32_t n_blocks, int32_t n_host_blocks,
                              int n_threads) {
   if (std::string err = parallel_error(m, p); !err.empty()) throw std::invalid_argument(err);

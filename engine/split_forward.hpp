@@ -34,6 +34,12 @@ struct parallelism {
 /// Empty when `m` runs split as `p` says, else why not (kinds combined, a shape that does not split).
 std::string parallel_error(const model& m, const parallelism& p);
 
+/// The bytes one block id takes over every rank or stage of `p` (what a KV budget is divided by):
+/// the whole model's block, or more where ranks hold copies — tensor-parallel KV heads replicated
+/// over ranks (N / n_kv_heads copies), expert parallel (every rank caches every layer's KV, its
+/// attention being replicated: N copies).
+int64_t split_block_bytes(const kv_shape& full, const parallelism& p);
+
 class split_forward {
  public:
   /// `full`: the whole model's KV shape; each rank or stage holds n_blocks (and n_host_blocks)

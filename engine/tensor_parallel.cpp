@@ -47,7 +47,9 @@ std::string tensor_parallel_error(const model& m, int n) {
   if (n < 1) return "tensor parallel needs at least one rank";
   if (hp.n_experts > 0) return "a mixture-of-experts model splits by experts (expert parallel), not by tensor";
   if (hp.n_heads % n != 0) return std::to_string(hp.n_heads) + " attention heads" + of;
-  if (hp.n_kv_heads % n != 0) return std::to_string(hp.n_kv_heads) + " KV heads" + of;
+  if (hp.n_kv_heads % n != 0 && n % hp.n_kv_heads != 0)
+    return std::to_string(hp.n_kv_heads) + " KV heads neither split into nor are replicated evenly over " + std::to_string(n) +
+           " tensor-parallel ranks";
   if (hp.d_ff % n != 0) return "a feed-forward width of " + std::to_string(hp.d_ff) + of;
   const int64_t q_cols = (int64_t)hp.n_heads / n * hp.head_dim, ff_cols = hp.d_ff / n;
   for (int il = 0; il < hp.n_layers; ++il) {
@@ -69,18 +71,20 @@ model_shard shard_model(const model& m, int rank, int n) {
   s.n_ranks = n;
   s.hp = full;
   s.hp.n_heads = full.n_heads / n;
-  s.hp.n_kv_heads = full.n_kv_heads / n;
+  s.hp.n_kv_heads = kv_heads_per_rank(full.n_kv_heads, n);
   s.hp.d_ff = full.d_ff / n;
   const int64_t qd = (int64_t)s.hp.n_heads * full.head_dim, kvd = (int64_t)s.hp.n_kv_heads * full.head_dim, ff = s.hp.d_ff;
+  // The rank's first KV head: its own share, or (replicated) the one its query heads read.
+  const int64_t kv0 = full.n_kv_heads >= n ? (int64_t)rank * s.hp.n_kv_heads : (int64_t)rank * full.n_kv_heads / n;
   for (int il = 0; il < full.n_layers; ++il) {
     const layer_weights& L = m.layer(il);
     layer_weights r = L;  // norms (per head for QK-norm: the same for every head) replicated
     r.wq = rows(L.wq, rank * qd, qd);
-    r.wk = rows(L.wk, rank * kvd, kvd);
-    r.wv = rows(L.wv, rank * kvd, kvd);
+    r.wk = rows(L.wk, kv0 * full.head_dim, kvd);
+    r.wv = rows(L.wv, kv0 * full.head_dim, kvd);
     r.bq = slice(L.bq, rank * qd, qd);
-    r.bk = slice(L.bk, rank * kvd, kvd);
-    r.bv = slice(L.bv, rank * kvd, kvd);
+    r.bk = slice(L.bk, kv0 * full.head_dim, kvd);
+    r.bv = slice(L.bv, kv0 * full.head_dim, kvd);
     r.wo = cols(L.wo, rank * qd, qd);
     r.w_gate = rows(L.w_gate, rank * ff, ff);
     r.w_up = rows(L.w_up, rank * ff, ff);
@@ -119,9 +123,11 @@ model_shard shard_experts(const model& m, int rank, int n) {
   return s;
 }
 
+int kv_heads_per_rank(int n_kv_heads, int n) { return n_kv_heads >= n ? n_kv_heads / n : 1; }
+
 kv_shape shard_kv_shape(const kv_shape& full, int n) {
   kv_shape s = full;
-  s.n_kv_heads = full.n_kv_heads / n;
+  s.n_kv_heads = kv_heads_per_rank(full.n_kv_heads, n);
   return s;
 }
 

@@ -2,6 +2,9 @@
 // a GPU build would back with NCCL:
 //   - Q, K, V and the gate/up projections are split by output rows: each rank has n_heads / N
 //     query heads, n_kv_heads / N KV heads (and their KV cache) and d_ff / N feed-forward columns;
+//     with fewer KV heads than ranks (N a multiple of n_kv_heads), each KV head is replicated on
+//     the N / n_kv_heads ranks whose query heads read it (vLLM's rule): every rank computes and
+//     caches that one head, so the cache costs N / n_kv_heads times the unsplit one;
 //   - O and down are split by input columns, so each rank's product is a partial sum of the full
 //     one, completed by one all-reduce per block (two per layer);
 //   - embeddings, norms and the output head are replicated; rank 0 computes the logits.
@@ -40,14 +43,16 @@ struct model_shard {
   std::vector<layer_weights> layers;
 };
 
-/// Empty when `m` splits into `n_ranks` shards, else why not (heads or KV heads not divisible,
-/// a slice not a whole number of quantization blocks).
+/// Empty when `m` splits into `n_ranks` shards, else why not (heads not divisible, KV heads
+/// neither divisible nor dividing n_ranks, a slice not a whole number of quantization blocks).
 std::string tensor_parallel_error(const model& m, int n_ranks);
 
 /// Rank `rank` of `n_ranks`. Throws std::invalid_argument with tensor_parallel_error's text.
 model_shard shard_model(const model& m, int rank, int n_ranks);
 
-/// The KV shape of one rank: its KV heads only.
+/// KV heads each of n_ranks holds: n_kv_heads / n_ranks, or 1 where they are replicated.
+int kv_heads_per_rank(int n_kv_heads, int n_ranks);
+/// The KV shape of one rank: its KV heads only (kv_heads_per_rank).
 kv_shape shard_kv_shape(const kv_shape& full, int n_ranks);
 
 /// Expert parallelism for a mixture-of-experts model: each rank holds n_experts / N experts of

@@ -1,7 +1,8 @@
 // Gemma 3's sliding-window layers in KV groups of their own (kv_cache.hpp): the forward over
 // grouped tables, whose blocks out of the window the block manager gives back, computes the
 // same logits bit for bit as over one table of every layer. The given-back blocks are filled
-// with NaN before the next step, so a read of any of them would show.
+// with NaN before the next step, so a read of any of them would show. The same over tensor-parallel
+// ranks, where the model's one KV head is replicated on every rank.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 
 #include "engine/block_manager.hpp"
 #include "engine/forward.hpp"
+#include "engine/tensor_parallel.hpp"
 #include "kernels/thread_pool.hpp"
 
 using namespace troupe::engine;
@@ -35,6 +37,94 @@ std::vector<token_id> long_prompt(const model& m) {
   return m.vocab().encode(text, true, false);
 }
 
+// A forward over the grouped layout: one rank, or tensor-parallel ranks (each with its pools).
+struct one_rank {
+  kv_storage kv;
+  cpu_forward fwd;
+  one_rank(const model& m, const kv_shape& shape, int32_t n_blocks, troupe::kernels::thread_pool& pool)
+      : kv(shape, n_blocks), fwd(m, kv, pool) {}
+  const std::vector<float>& forward(std::span<const seq_chunk> b) { return fwd.forward(b); }
+  void poison(int32_t block) { std::fill_n(kv.block_data(block), kv.shape().block_elems(), (troupe::kernels::fp16_t)0x7e00); }
+};
+
+struct tp_ranks {
+  tp_cpu_forward fwd;
+  tp_ranks(const model& m, int n, const kv_shape& shape, int32_t n_blocks) : fwd(m, n, shape, n_blocks, 1, 1) {}
+  const std::vector<float>& forward(std::span<const seq_chunk> b) { return fwd.forward(b); }
+  void poison(int32_t block) {
+    fwd.for_each_kv([&](kv_storage& d, kv_storage&) { std::fill_n(d.block_data(block), d.shape().block_elems(), (troupe::kernels::fp16_t)0x7e00); });
+  }
+};
+
+// Prefills the long prompt in chunks of 100 (the windows move inside a chunk; the sliding groups
+// take blocks 100 positions ahead), then 8 greedy decodes, through `flat_fwd` over one table of
+// every layer (blocks 0, 1, ...) and through `grouped_fwd` over the block manager's tables of the
+// `grouped` layout, poisoning every block it gives back: each step's logits are bit-identical.
+template <class Fwd>
+void check_windows(const model& m, Fwd& flat_fwd, Fwd& grouped_fwd, const kv_shape& grouped, int32_t n_blocks) {
+  const int bs = grouped.block_size;
+  const kv_shape flat = model_kv_shape(m, bs, false);
+  const std::vector<token_id> prompt = long_prompt(m);
+  REQUIRE(prompt.size() > (size_t)grouped.window + 100);  // past the window
+  const int32_t n_flat = kv_blocks_for((int64_t)prompt.size() + 8, bs);
+  REQUIRE(n_blocks >= n_flat * grouped.n_groups);
+  block_manager bm(bs, n_blocks, 0, kv_block_hash, {grouped.n_groups, grouped.window, 100});
+  std::vector<int32_t> flat_table((size_t)n_flat);
+  for (int32_t i = 0; i < n_flat; ++i) flat_table[(size_t)i] = i;
+  REQUIRE(bm.allocate(1, prompt) == 0);
+
+  std::vector<token_id> tokens = prompt;
+  int64_t done = 0;
+  int n_given_back = 0;
+  const size_t n_vocab = (size_t)m.hparams().n_vocab;
+  auto step = [&](int64_t n) {
+    const std::span<const token_id> chunk = std::span(tokens).subspan((size_t)done, (size_t)n);
+    std::vector<block_copy> none;
+    REQUIRE(bm.append(1, 0, none));  // the sliding groups' blocks for this step
+    REQUIRE(none.empty());
+    const std::vector<int32_t> table = bm.step_table(1, done + n);
+    const std::vector<float> a = flat_fwd.forward(std::vector{seq_chunk{chunk, done, flat_table}});
+    const std::vector<float>& b = grouped_fwd.forward(std::vector{seq_chunk{chunk, done, table}});
+    REQUIRE(a.size() == n_vocab);
+    REQUIRE(b.size() == n_vocab);
+    INFO("positions [" << done << ", " << done + n << ")");
+    REQUIRE(std::memcmp(a.data(), b.data(), n_vocab * sizeof(float)) == 0);
+    done += n;
+    // Commit: blocks leave the window. Poison what was given back (not a cached block another
+    // sequence could still want: this is the only sequence).
+    std::vector<int32_t> before;
+    for (int g = 1; g < grouped.n_groups; ++g) before.insert(before.end(), bm.table(1, g).begin(), bm.table(1, g).end());
+    bm.commit(1, std::span(tokens).first((size_t)done));
+    size_t k = 0;
+    for (int g = 1; g < grouped.n_groups; ++g)
+      for (int32_t now : bm.table(1, g)) {
+        if (k < before.size() && before[k] >= 0 && now < 0) {
+          grouped_fwd.poison(before[k]);
+          ++n_given_back;
+        }
+        ++k;
+      }
+    return (token_id)(std::max_element(a.begin(), a.end()) - a.begin());
+  };
+  token_id next = -1;
+  while (done < (int64_t)prompt.size()) next = step(std::min<int64_t>(100, (int64_t)prompt.size() - done));
+  std::vector<block_copy> copies;
+  for (int i = 0; i < 8; ++i) {
+    tokens.push_back(next);
+    REQUIRE(bm.append(1, 1, copies));
+    next = step(1);
+  }
+  REQUIRE(copies.empty());
+  REQUIRE(bm.check() == "");
+  // Each sliding group holds the window's blocks only (~700 positions here: 82% of the memory of
+  // one table of all 18 layers; a 4096-position context would hold 27%).
+  const int32_t full = kv_blocks_for(done, bs);
+  const int32_t window_blocks = full - (int32_t)(std::max<int64_t>(0, done - grouped.window + 1) / bs);
+  REQUIRE(n_given_back == (full - window_blocks) * (grouped.n_groups - 1));
+  REQUIRE(bm.n_held(1) == full + (grouped.n_groups - 1) * window_blocks);
+  REQUIRE(bm.n_held(1) * grouped.block_bytes() < full * flat.block_bytes());
+}
+
 }  // namespace
 
 TEST_CASE("sliding-window groups: same logits as one table, with the blocks out of the window given back", "[engine][model][window]") {
@@ -51,68 +141,21 @@ TEST_CASE("sliding-window groups: same logits as one table, with the blocks out 
   REQUIRE(grouped.slot_of(4) == kv_slot{2, 1});
   REQUIRE(grouped.block_bytes() * 6 == flat.block_bytes());
 
-  const std::vector<token_id> prompt = long_prompt(m);
-  REQUIRE(prompt.size() > (size_t)grouped.window + 100);  // past the window
-  const int32_t n_flat = kv_blocks_for((int64_t)prompt.size() + 8, bs);
   troupe::kernels::thread_pool pool(2);
-  kv_storage kv_flat(flat, n_flat);
-  kv_storage kv_grouped(grouped, n_flat * 6);
-  cpu_forward f_flat(m, kv_flat, pool), f_grouped(m, kv_grouped, pool);
-  block_manager bm(bs, n_flat * 6, 0, kv_block_hash, {grouped.n_groups, grouped.window, 100});
-  std::vector<int32_t> flat_table((size_t)n_flat);
-  for (int32_t i = 0; i < n_flat; ++i) flat_table[(size_t)i] = i;
-  REQUIRE(bm.allocate(1, prompt) == 0);
+  one_rank f_flat(m, flat, 48, pool), f_grouped(m, grouped, 48 * 6, pool);
+  check_windows(m, f_flat, f_grouped, grouped, 48 * 6);
+}
 
-  std::vector<token_id> tokens = prompt;
-  int64_t done = 0;
-  int n_given_back = 0;
-  const size_t n_vocab = (size_t)m.hparams().n_vocab;
-  auto step = [&](int64_t n) {
-    const std::span<const token_id> chunk = std::span(tokens).subspan((size_t)done, (size_t)n);
-    std::vector<block_copy> none;
-    REQUIRE(bm.append(1, 0, none));  // the sliding groups' blocks for this step
-    REQUIRE(none.empty());
-    const std::vector<int32_t> table = bm.step_table(1, done + n);
-    const std::vector<float> a = f_flat.forward(std::vector{seq_chunk{chunk, done, flat_table}});
-    const std::vector<float>& b = f_grouped.forward(std::vector{seq_chunk{chunk, done, table}});
-    REQUIRE(a.size() == n_vocab);
-    REQUIRE(b.size() == n_vocab);
-    INFO("positions [" << done << ", " << done + n << ")");
-    REQUIRE(std::memcmp(a.data(), b.data(), n_vocab * sizeof(float)) == 0);
-    done += n;
-    // Commit: blocks leave the window. Poison what was given back (not a cached block another
-    // sequence could still want: this is the only sequence).
-    std::vector<int32_t> before;
-    for (int g = 1; g < grouped.n_groups; ++g) before.insert(before.end(), bm.table(1, g).begin(), bm.table(1, g).end());
-    bm.commit(1, std::span(tokens).first((size_t)done));
-    size_t k = 0;
-    for (int g = 1; g < grouped.n_groups; ++g)
-      for (int32_t now : bm.table(1, g)) {
-        if (k < before.size() && before[k] >= 0 && now < 0) {
-          std::fill_n(kv_grouped.block_data(before[k]), grouped.block_elems(), (troupe::kernels::fp16_t)0x7e00);
-          ++n_given_back;
-        }
-        ++k;
-      }
-    return (token_id)(std::max_element(a.begin(), a.end()) - a.begin());
-  };
-  // Prefill in chunks of 100 (the windows move inside a chunk; the sliding groups take blocks 100
-  // positions ahead), then greedy decodes.
-  token_id next = -1;
-  while (done < (int64_t)prompt.size()) next = step(std::min<int64_t>(100, (int64_t)prompt.size() - done));
-  std::vector<block_copy> copies;
-  for (int i = 0; i < 8; ++i) {
-    tokens.push_back(next);
-    REQUIRE(bm.append(1, 1, copies));
-    next = step(1);
-  }
-  REQUIRE(copies.empty());
-  REQUIRE(bm.check() == "");
-  // Each sliding group holds the window's blocks only (~700 positions here: 82% of the memory of
-  // one table of all 18 layers; a 4096-position context would hold 27%).
-  const int32_t full = kv_blocks_for(done, bs);
-  const int32_t window_blocks = full - (int32_t)(std::max<int64_t>(0, done - grouped.window + 1) / bs);
-  REQUIRE(n_given_back == (full - window_blocks) * 5);
-  REQUIRE(bm.n_held(1) == full + 5 * window_blocks);
-  REQUIRE(bm.n_held(1) * grouped.block_bytes() < full * flat.block_bytes());
+TEST_CASE("tensor parallel over sliding-window groups: Gemma 3's one KV head replicated on 2 and 4 ranks", "[engine][model][window][tp]") {
+  // Tensor parallel against one rank is held in parallel.test.cpp (replicated KV heads included);
+  // here, the ranks over the grouped layout against the same ranks over one table.
+  const model& m = gemma();
+  REQUIRE(m.hparams().n_kv_heads == 1);
+  const int n = GENERATE(2, 4);
+  REQUIRE(tensor_parallel_error(m, n).empty());
+  const kv_shape grouped = model_kv_shape(m, 16, true);
+  REQUIRE(shard_kv_shape(grouped, n).n_kv_heads == 1);
+  REQUIRE(shard_kv_shape(grouped, n).n_groups == 6);
+  tp_ranks f_flat(m, n, model_kv_shape(m, 16, false), 48), f_grouped(m, n, grouped, 48 * 6);
+  check_windows(m, f_flat, f_grouped, grouped, 48 * 6);
 }

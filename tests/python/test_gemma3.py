@@ -53,10 +53,10 @@ def troupe_tokens(text: str) -> list[int]:
     return [int(t) for t in out.split()]
 
 
-def troupe_logits(tokens: list[int], tmp_path: Path) -> np.ndarray:
+def troupe_logits(tokens: list[int], tmp_path: Path, *args: str) -> np.ndarray:
     out = tmp_path / "logits.f32"
     subprocess.run([TROUPE, "logits", "-m", str(GEMMA), "-t", "2", "--tokens", ",".join(map(str, tokens)),
-                    "-o", str(out)], check=True, capture_output=True, timeout=600)
+                    "-o", str(out), *args], check=True, capture_output=True, timeout=600)
     return np.fromfile(out, dtype=np.float32).reshape(len(tokens), -1).astype(np.float64)
 
 
@@ -82,10 +82,12 @@ def test_tokenization_matches_llamacpp(llm):
         assert troupe_tokens(text) == llm.tokenize(text.encode(), add_bos=False, special=False), text
 
 
-@pytest.mark.parametrize("text", [SHORT, LONG], ids=["short", "long"])
-def test_logits_match_float64_reference(ref, tmp_path, text):
+@pytest.mark.parametrize("text,tp", [(SHORT, 1), (LONG, 1), (LONG, 4)], ids=["short", "long", "long-tp4"])
+def test_logits_match_float64_reference(ref, tmp_path, text, tp):
+    """tp 4: four tensor-parallel ranks of one query head each, all reading the model's one KV
+    head, which each rank computes and caches (replicated, as vLLM does)."""
     tok = bos_tokens(text)
-    got_all = troupe_logits(tok, tmp_path)
+    got_all = troupe_logits(tok, tmp_path, "--tensor-parallel", str(tp))
     rows = list(range(len(tok))) if len(tok) < 64 else list(range(0, len(tok), 37)) + [len(tok) - 1]
     want = ref.logits(tok, rows)
     got = got_all[rows][:, : want.shape[1]]
@@ -206,3 +208,26 @@ def test_sliding_window_groups_survive_preemption():
     roomy = texts[("--kv-mb", "64")]
     for args, got in texts.items():
         assert got == roomy, args
+
+
+def test_tensor_parallel_serves_over_sliding_window_groups():
+    """--tensor-parallel 2: each rank holds two query heads and a copy of the model's one KV head
+    (the KV budget counts both copies), in the sliding-window groups' blocks. Two long prompts at
+    once give the same greedy text as the same ranks with --swa-full (one table of every layer)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [LONG, "Once more: " + LONG]
+    texts, blocks = {}, {}
+    for args in [(), ("--swa-full",)]:
+        with running_server("--model", str(GEMMA), "--tensor-parallel", "2", "--batch-size", "64", "--kv-mb", "64",
+                            *args) as (port, _):
+            with ThreadPoolExecutor(len(prompts)) as ex:
+                texts[args] = list(ex.map(lambda p: complete(port, p, 16)["choices"][0]["text"], prompts))
+            blocks[args] = metric_sum(port, "troupe_kv_blocks_total")
+    assert texts[()] == texts[("--swa-full",)]
+    assert all(texts[()])
+    # A block of 16 positions: 1 KV head x 256 values x (K, V) x fp16 for 3 layers (a group) or
+    # all 18 (--swa-full), on each of the 2 ranks.
+    group_block = 16 * 256 * 2 * 2 * 3 * 2
+    assert blocks[()] == (64 << 20) // group_block
+    assert blocks[("--swa-full",)] == (64 << 20) // (group_block * 6)
