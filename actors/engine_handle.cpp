@@ -1,6 +1,8 @@
 #include "actors/engine_handle.hpp"
 
 #include <caf/io/all.hpp>
+#include <caf/openssl/manager.hpp>
+#include <caf/openssl/publish.hpp>
 #include <unistd.h>
 
 #include <atomic>
@@ -164,6 +166,8 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
     throw std::invalid_argument("the replica retry and timeout must be > 0 seconds");
   if (!(o.replica_heartbeat_s > 0) || !(o.replica_dead_after_s > o.replica_heartbeat_s))
     throw std::invalid_argument("the replica heartbeat must be > 0 s and shorter than the dead-after time");
+  if (std::string err = replica_tls_error(o.replica_tls_cert, o.replica_tls_key, o.replica_tls_ca); !err.empty())
+    throw std::invalid_argument(err);
   auto p = std::make_unique<impl>();
   p->model = std::shared_ptr<const engine::model>(engine::model::load(o.model_path));
   if (std::string err = engine::parallel_error(*p->model, {o.tensor_parallel, o.pipeline_parallel, o.expert_parallel}); !err.empty())
@@ -203,6 +207,12 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
     const auto span = [](double s) { return caf::timespan{(int64_t)(s * 1e9)}; };
     p->cfg.set("middleman.heartbeat-interval", span(o.replica_heartbeat_s));
     p->cfg.set("middleman.connection-timeout", span(o.replica_dead_after_s));
+    if (!o.replica_tls_cert.empty()) {  // certificates required and checked on both ends
+      p->cfg.load<caf::openssl::manager>();
+      p->cfg.openssl_certificate = o.replica_tls_cert;
+      p->cfg.openssl_key = o.replica_tls_key;
+      p->cfg.openssl_cafile = o.replica_tls_ca;
+    }
   }
   p->sys = std::make_unique<caf::actor_system>(p->cfg);
   scheduler_config_msg scm{sc, p->model, o.kv_block_size, n_dev, n_host, o.step_timeout_s, groups};
@@ -241,7 +251,8 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   }
   if (!endpoints.empty()) {
     for (auto& e : endpoints) e.index = im.router->add_remote(e.host + ":" + std::to_string(e.port));
-    im.keeper = im.sys->spawn(replica_keeper, im.router, endpoints, model_fingerprint(*im.model), o.replica_retry_s, o.replica_timeout_s);
+    im.keeper = im.sys->spawn(replica_keeper, im.router, endpoints, model_fingerprint(*im.model), o.replica_retry_s, o.replica_timeout_s,
+                              im.sys->has_openssl_manager());
   }
   if (!o.local_executor) {  // a router only: ready once some replica serves
     const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds((int64_t)(o.start_timeout_s * 1000));
@@ -316,7 +327,8 @@ int engine_handle::publish(const std::string& host, int port) {
   if (!impl_->sys->has_middleman()) throw std::runtime_error("this engine was started without publishing (publish_port < 0)");
   // reuse_addr: a replica restarted on its port (or a reload handing it over) binds it despite the
   // last connections in TIME_WAIT; Linux still refuses a second listener.
-  auto p = impl_->sys->middleman().publish(impl_->scheduler, (uint16_t)port, host.c_str(), true);
+  auto p = impl_->sys->has_openssl_manager() ? caf::openssl::publish(impl_->scheduler, (uint16_t)port, host.c_str(), true)
+                                              : impl_->sys->middleman().publish(impl_->scheduler, (uint16_t)port, host.c_str(), true);
   if (!p)
     throw std::runtime_error("cannot publish the engine on " + host + ":" + std::to_string(port) + ": " + impl_->sys->render(p.error()));
   impl_->published_port = *p;
@@ -326,7 +338,16 @@ int engine_handle::publish(const std::string& host, int port) {
 void engine_handle::retire_published() {
   caf_thread_release release;
   caf::anon_send<caf::message_priority::high>(impl_->scheduler, retire_atom::value);
-  if (impl_->published_port >= 0) impl_->sys->middleman().unpublish(impl_->scheduler, (uint16_t)impl_->published_port);
+  if (impl_->published_port >= 0) {
+    if (impl_->sys->has_openssl_manager()) {  // its own listener, closed through its own middleman actor
+      caf::scoped_actor self{*impl_->sys};
+      self->request(impl_->sys->openssl_manager().actor_handle(), std::chrono::seconds(10), caf::unpublish_atom::value,
+                    impl_->scheduler.address(), (uint16_t)impl_->published_port)
+          .receive([] {}, [](caf::error&) {});
+    } else {
+      impl_->sys->middleman().unpublish(impl_->scheduler, (uint16_t)impl_->published_port);
+    }
+  }
   impl_->published_port = -1;
 }
 

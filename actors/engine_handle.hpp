@@ -114,7 +114,8 @@ struct engine_options {
   double restart_window_s = 60;
   double start_timeout_s = 600;  // longest wait for the executor to build its backend (weights, KV)
   std::string fail_executor_start;  // tests: building the executor's backend throws this text
-  // Data-parallel replicas (CAF middleman, plain TCP: bind and reach them on trusted networks only).
+  // Data-parallel replicas (CAF middleman). Plain TCP unless the TLS files are named: bind and
+  // reach plain ones on trusted networks only.
   int publish_port = -1;                   // >= 0: this engine's scheduler is published there for fronts (0: any free port)
   bool publish_at_start = true;            // false: ready to publish (publish()), e.g. once a reload makes it current
   std::string publish_host = "127.0.0.1";  // the address it is published on
@@ -128,6 +129,10 @@ struct engine_options {
   bool replica_prefix_routing = true;      // prompts sharing a prefix go to the same replica (its KV cached there)
   int64_t replica_max_imbalance = 4;       // ... unless it has this many more in flight than the least loaded
   int64_t replica_affinity_blocks = 65536; // prompt prefixes (full KV blocks) the router remembers
+  // TLS on replica connections, both ways (CAF's OpenSSL module): this end's certificate (chain)
+  // and key (PEM, unencrypted), and the CA file a peer's certificate must chain to. All three or
+  // none; a peer without a certificate of that CA is refused, as is a plain-TCP peer.
+  std::string replica_tls_cert, replica_tls_key, replica_tls_ca;
   // Tests: the CPU executor takes the path of a device that samples (rows, seeds and penalty
   // windows handed to the backend, tokens back), sampling with the host sampler.
   bool emulate_device_sampling = false;

@@ -5,6 +5,9 @@
 // -Wmaybe-uninitialized inside its own header.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <caf/io/all.hpp>
+#include <caf/openssl/manager.hpp>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -194,7 +197,8 @@ struct keeper_state {
 }  // namespace
 
 caf::behavior replica_keeper(caf::event_based_actor* self, std::shared_ptr<replica_router> router,
-                             std::vector<replica_endpoint> endpoints, std::string fingerprint, double retry_s, double timeout_s) {
+                             std::vector<replica_endpoint> endpoints, std::string fingerprint, double retry_s, double timeout_s,
+                             bool tls) {
   auto st = std::make_shared<keeper_state>();
   st->last_status.resize(endpoints.size() + 1);
   const auto timeout = std::chrono::milliseconds((int64_t)(timeout_s * 1000));
@@ -221,7 +225,7 @@ caf::behavior replica_keeper(caf::event_based_actor* self, std::shared_ptr<repli
         const replica_endpoint* ep = nullptr;
         for (const auto& e : endpoints) ep = e.index == index ? &e : ep;
         if (!ep) return;
-        auto mm = self->system().middleman().actor_handle();
+        auto mm = tls ? self->system().openssl_manager().actor_handle() : self->system().middleman().actor_handle();
         self->request(mm, timeout, caf::connect_atom::value, ep->host, ep->port)
             .then(
                 [=](const caf::node_id&, caf::strong_actor_ptr& ptr, const std::set<std::string>&) {
@@ -239,9 +243,43 @@ caf::behavior replica_keeper(caf::event_based_actor* self, std::shared_ptr<repli
                           },
                           [=](caf::error& e) { down(index, "no answer: " + self->system().render(e)); });
                 },
-                [=](caf::error& e) { down(index, "unreachable: " + self->system().render(e)); });
+                [=](caf::error& e) {
+                  std::string why = "unreachable: " + self->system().render(e);
+                  if (e == caf::sec::disconnect_during_handshake || (tls && e == caf::sec::cannot_connect_to_node))
+                    why += " (if it is listening, the handshake failed: TLS needs both ends with certificates of the CA the "
+                           "other trusts (--replica-tls-cert/-key/-ca), plain TCP neither)";
+                  down(index, why);
+                });
       },
   };
+}
+
+std::string replica_tls_error(const std::string& cert, const std::string& key, const std::string& ca) {
+  const int named = !cert.empty() + !key.empty() + !ca.empty();
+  if (named == 0) return {};
+  if (named < 3)
+    return "replica TLS needs all three files: the certificate, its key and the CA that signs the peers' certificates "
+           "(--replica-tls-cert, --replica-tls-key, --replica-tls-ca)";
+  // The checks CAF's OpenSSL module makes on each connection (a failure there would only drop
+  // the connection, unexplained), made once here with OpenSSL's reason.
+  std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> ctx(SSL_CTX_new(TLS_method()), SSL_CTX_free);
+  if (!ctx) return "replica TLS: cannot create an OpenSSL context";
+  auto why = [](const std::string& what) {
+    std::string msg = what;
+    for (unsigned long e; (e = ERR_get_error()) != 0;) {
+      char buf[256];
+      ERR_error_string_n(e, buf, sizeof buf);
+      msg += std::string(msg == what ? ": " : "; ") + buf;
+    }
+    return msg;
+  };
+  ERR_clear_error();
+  if (SSL_CTX_use_certificate_chain_file(ctx.get(), cert.c_str()) != 1) return why("replica TLS certificate " + cert + " does not load");
+  if (SSL_CTX_use_PrivateKey_file(ctx.get(), key.c_str(), SSL_FILETYPE_PEM) != 1)
+    return why("replica TLS key " + key + " does not load (PEM, unencrypted) or is not the key of " + cert);
+  if (SSL_CTX_check_private_key(ctx.get()) != 1) return why("replica TLS key " + key + " is not the key of " + cert);
+  if (SSL_CTX_load_verify_locations(ctx.get(), ca.c_str(), nullptr) != 1) return why("replica TLS CA file " + ca + " does not load");
+  return {};
 }
 
 }  // namespace troupe::actors

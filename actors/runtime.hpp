@@ -196,8 +196,14 @@ struct replica_endpoint {
 
 /// Connects the remote replicas and keeps them connected: a replica is up once its scheduler
 /// answers `info` with this model's fingerprint; a lost or refused one is retried every retry_s.
+/// With `tls`, through the OpenSSL module's middleman (the actor system loaded it).
 caf::behavior replica_keeper(caf::event_based_actor* self, std::shared_ptr<replica_router> router,
-                             std::vector<replica_endpoint> endpoints, std::string fingerprint, double retry_s, double timeout_s);
+                             std::vector<replica_endpoint> endpoints, std::string fingerprint, double retry_s, double timeout_s,
+                             bool tls);
+
+/// Empty when the replica TLS files are usable (all three or none named; the certificate and key
+/// load and match; the CA file loads), else what is wrong, naming the file.
+std::string replica_tls_error(const std::string& cert, const std::string& key, const std::string& ca);
 
 /// Parses "host:port" (throws std::invalid_argument naming the text).
 replica_endpoint parse_endpoint(const std::string& text);

@@ -165,6 +165,9 @@ const std::vector<key_spec>& keys() {
       {"replicas", "routing", string_key(&server_config::replica_routing)},
       {"replicas", "max_imbalance", int_key(&server_config::replica_max_imbalance)},
       {"replicas", "affinity_blocks", int_key(&server_config::replica_affinity_blocks)},
+      {"replicas", "tls_cert", string_key(&server_config::replica_tls_cert)},
+      {"replicas", "tls_key", string_key(&server_config::replica_tls_key)},
+      {"replicas", "tls_ca", string_key(&server_config::replica_tls_ca)},
       {"auth", "api_keys", string_list_key(&server_config::api_keys)},
       {"auth", "admin_api_keys", string_list_key(&server_config::admin_api_keys)},
   };
@@ -273,8 +276,11 @@ std::string validate(const server_config& c) {
     return range_error("engine.pipeline_parallel", "--pipeline-parallel", "in [1, 64]", std::to_string(e.pipeline_parallel));
   if (e.expert_parallel < 1 || e.expert_parallel > 64)
     return range_error("engine.expert_parallel", "--expert-parallel", "in [1, 64]", std::to_string(e.expert_parallel));
-  if ((e.tensor_parallel > 1) + (e.pipeline_parallel > 1) + (e.expert_parallel > 1) > 1)
-    return "engine.tensor_parallel, pipeline_parallel and expert_parallel (--tensor-parallel, --pipeline-parallel, --expert-parallel): one of them > 1 at most, yet";
+  if (e.expert_parallel > 1 && (e.tensor_parallel > 1 || e.pipeline_parallel > 1))
+    return "engine.expert_parallel (--expert-parallel) > 1 cannot be combined with engine.tensor_parallel or pipeline_parallel > 1 yet";
+  if (e.tensor_parallel * e.pipeline_parallel > 64)
+    return range_error("engine.tensor_parallel x pipeline_parallel", "--tensor-parallel x --pipeline-parallel", "at most 64",
+                       std::to_string(e.tensor_parallel * e.pipeline_parallel));
   try {
     parse_device(e.device);
   } catch (const std::invalid_argument&) {
@@ -328,6 +334,8 @@ std::string validate(const server_config& c) {
     return range_error("replicas.max_imbalance", "--replica-max-imbalance", "in [0, 1000000]", std::to_string(c.replica_max_imbalance));
   if (c.replica_affinity_blocks < 1 || c.replica_affinity_blocks > (int64_t(1) << 26))
     return range_error("replicas.affinity_blocks", "--replica-affinity-blocks", "in [1, 67108864]", std::to_string(c.replica_affinity_blocks));
+  if (const int n = !c.replica_tls_cert.empty() + !c.replica_tls_key.empty() + !c.replica_tls_ca.empty(); n != 0 && n != 3)
+    return "replicas.tls_cert, tls_key and tls_ca (--replica-tls-cert, --replica-tls-key, --replica-tls-ca): all three or none";
 
   for (const auto* list : {&c.api_keys, &c.admin_api_keys})
     for (const std::string& k : *list) {
@@ -370,7 +378,8 @@ std::string describe(const server_config& c) {
     << "\nretry_s = " << num(c.replica_retry_s) << "\ntimeout_s = " << num(c.replica_timeout_s)
     << "\nheartbeat_s = " << num(c.replica_heartbeat_s) << "\ndead_after_s = " << num(c.replica_dead_after_s)
     << "\nrouting = " << quote(c.replica_routing) << "\nmax_imbalance = " << c.replica_max_imbalance
-    << "\naffinity_blocks = " << c.replica_affinity_blocks << "\n"
+    << "\naffinity_blocks = " << c.replica_affinity_blocks << "\ntls_cert = " << quote(c.replica_tls_cert)
+    << "\ntls_key = " << quote(c.replica_tls_key) << "\ntls_ca = " << quote(c.replica_tls_ca) << "\n"
     << "[engine]\n"
     << "model = " << quote(e.model_path) << "\nthreads = " << e.n_threads << "\nctx_size = " << e.n_ctx
     << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\ntensor_parallel = " << e.tensor_parallel << "\npipeline_parallel = " << e.pipeline_parallel << "\nexpert_parallel = " << e.expert_parallel << "\nkv_mb = " << c.kv_mb

@@ -64,6 +64,7 @@ struct server_config {
   std::string replica_routing = "prefix";  // "prefix" (cache-aware) or "least_loaded"
   int64_t replica_max_imbalance = 4;       // prefix routing yields to the least loaded beyond this many more in flight
   int64_t replica_affinity_blocks = 65536; // prompt prefixes (full KV blocks) the router remembers
+  std::string replica_tls_cert, replica_tls_key, replica_tls_ca;  // TLS both ways on replica connections: all three or none
 
   // [engine]  (model_path, n_threads, n_ctx, kv_block_size, n_batch; max_kv_bytes is unused:
   // the serve cache size is kv_mb)

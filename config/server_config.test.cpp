@@ -76,10 +76,17 @@ preemption = "recompute"
 target_itl_ms = 60
 itl_stretch = 1.5
 min_prefill_tokens = 32
+[replicas]
+tls_cert = "/etc/troupe/me.pem"
+tls_key = "/etc/troupe/me.key"
+tls_ca = "/etc/troupe/ca.pem"
 [auth]
 api_keys = ["k1", "k2"]
 admin_api_keys = ["adm"]
 )");
+  CHECK(c.replica_tls_cert == "/etc/troupe/me.pem");
+  CHECK(c.replica_tls_key == "/etc/troupe/me.key");
+  CHECK(c.replica_tls_ca == "/etc/troupe/ca.pem");
   CHECK(c.host == "0.0.0.0");
   CHECK(c.port == 9001);
   CHECK(c.max_body_bytes == 4096);
@@ -169,6 +176,7 @@ TEST_CASE("server_config: out-of-range values are named by validate()", "[config
       {"[scheduler]\nitl_stretch = 0.5", "scheduler.itl_stretch (--itl-stretch) must be >= 1"},
       {"[scheduler]\nmin_prefill_tokens = 0", "scheduler.min_prefill_tokens (--min-prefill-tokens)"},
       {"[scheduler]\npreemption = \"drop\"", "scheduler.preemption (--preemption) must be \"swap\" or \"recompute\", got \"drop\""},
+      {"[replicas]\ntls_cert = \"a.pem\"\ntls_key = \"a.key\"", "replicas.tls_cert, tls_key and tls_ca (--replica-tls-cert, --replica-tls-key, --replica-tls-ca): all three or none"},
       {"[auth]\napi_keys = [\"\"]", "auth.api_keys (--api-key): a key must not be empty"},
       {"[auth]\nadmin_api_keys = [\"has space\"]", "auth.admin_api_keys (--admin-api-key): a key must be printable"},
   };

@@ -63,7 +63,8 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       field("--local-replica", &c::replica_local), field("--replica-retry-s", &c::replica_retry_s), field("--replica-timeout-s", &c::replica_timeout_s),
       field("--replica-heartbeat-s", &c::replica_heartbeat_s), field("--replica-dead-after-s", &c::replica_dead_after_s),
       field("--replica-routing", &c::replica_routing), field("--replica-max-imbalance", &c::replica_max_imbalance),
-      field("--replica-affinity-blocks", &c::replica_affinity_blocks),
+      field("--replica-affinity-blocks", &c::replica_affinity_blocks), field("--replica-tls-cert", &c::replica_tls_cert), field("--replica-tls-key", &c::replica_tls_key),
+      field("--replica-tls-ca", &c::replica_tls_ca),
   };
   return v;
 }
@@ -185,6 +186,9 @@ int run_serve(serve_opts& o) {
   default_eo.replica_prefix_routing = c.replica_routing == "prefix";
   default_eo.replica_max_imbalance = c.replica_max_imbalance;
   default_eo.replica_affinity_blocks = c.replica_affinity_blocks;
+  default_eo.replica_tls_cert = c.replica_tls_cert;
+  default_eo.replica_tls_key = c.replica_tls_key;
+  default_eo.replica_tls_ca = c.replica_tls_ca;
   // A reload of a published model hands the port over once the new version is current: the old
   // one stops accepting connections and refuses new generations from fronts (they move them),
   // finishes those it runs, and is unloaded when idle; the fronts reconnect to the new one.
@@ -198,9 +202,10 @@ int run_serve(serve_opts& o) {
     const std::string& host = o.publish_host;
     if (o.publish_at_start) {
       *published_port = v->engine->published_port();
-      if (host != "127.0.0.1" && host != "localhost" && host != "::1")
+      if (host != "127.0.0.1" && host != "localhost" && host != "::1" && o.replica_tls_cert.empty())
         std::fprintf(stderr, "troupe serve: warning: the replica port on %s has no authentication or encryption: anyone who reaches it "
-                             "can submit generations; keep it on a trusted network\n", host.c_str());
+                             "can submit generations; keep it on a trusted network or name TLS files (--replica-tls-cert, "
+                             "--replica-tls-key, --replica-tls-ca)\n", host.c_str());
       std::fprintf(stderr, "troupe serve: published for fronts at %s:%d (troupe serve --replica %s:%d)\n", host.c_str(), *published_port,
                    host.c_str(), *published_port);
       return v;
@@ -295,6 +300,11 @@ action add_serve(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--replica-affinity-blocks", f.replica_affinity_blocks, "data parallel: prompt prefixes (KV blocks) the router remembers")
       ->capture_default_str();
+  cmd->add_option("--replica-tls-cert", f.replica_tls_cert,
+                  "data parallel: TLS on replica connections, both ways: this server's certificate (PEM; with --replica-tls-key, --replica-tls-ca)");
+  cmd->add_option("--replica-tls-key", f.replica_tls_key, "data parallel: the key of --replica-tls-cert (PEM, unencrypted)");
+  cmd->add_option("--replica-tls-ca", f.replica_tls_ca,
+                  "data parallel: the CA a peer's certificate must chain to (peers without one are refused)");
   cmd->add_option("--api-key", f.api_keys, "API key clients send as 'Authorization: Bearer KEY' (repeatable; none: open)");
   cmd->add_option("--admin-api-key", f.admin_api_keys, "key for operator endpoints such as /metrics (repeatable; none: the API keys)");
   return [o] { return run_serve(*o); };

@@ -8,7 +8,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 apt_pkgs=(build-essential cmake ninja-build pkg-config python3-venv
-          libcaf-dev libboost1.81-dev libboost-json1.81-dev catch2
+          libcaf-dev libssl-dev openssl libboost1.81-dev libboost-json1.81-dev catch2
           libutf8proc-dev nlohmann-json3-dev libcli11-dev libtomlplusplus-dev)
 missing=()
 for p in "${apt_pkgs[@]}"; do

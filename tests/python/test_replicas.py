@@ -7,6 +7,7 @@ The reference is the same request served by one process alone: routing must be i
 killed with SIGKILL: a replica dying mid-generation, coming back on its port, a front dying while
 the replica runs its generations, a replica of another model.
 """
+import contextlib
 import http.client
 import json
 import signal
@@ -117,18 +118,25 @@ def bodies():
     return out
 
 
-@pytest.fixture
-def replica_and_front():
+@contextlib.contextmanager
+def replica_and_front_with(*args):
+    """A replica and a front routing to it (both with `args`); yields (front, rhttp, rport, replica)."""
     rport, rhttp = free_port(), free_port()
-    replica = start_replica(rport, rhttp)
+    replica = start_replica(rport, rhttp, *args)
     try:
-        with running_server("--replica", f"127.0.0.1:{rport}", "--replica-retry-s", "0.3") as (front, _):
+        with running_server("--replica", f"127.0.0.1:{rport}", "--replica-retry-s", "0.3", *args) as (front, _):
             wait_for(lambda: replica_series(front, "troupe_replica_up", f"127.0.0.1:{rport}") == 1, 20,
                      "the front did not connect to the replica")
             yield front, rhttp, rport, replica
     finally:
         if replica.poll() is None:
             stop(replica)
+
+
+@pytest.fixture
+def replica_and_front():
+    with replica_and_front_with() as r:
+        yield r
 
 
 def test_generations_spread_over_replicas_equal_one_process(replica_and_front):
@@ -423,7 +431,16 @@ def test_reloading_a_published_replica_fails_nothing(replica_and_front):
     """POST /admin/reload on a replica while a front streams from it: the generation running on the
     old version finishes there (the old version is unloaded only once idle), new ones go to the
     front or, once it reconnects, to the new version; nothing fails, nothing is lost."""
-    front, rhttp, rport, _ = replica_and_front
+    reload_while_streaming(*replica_and_front[:3])
+
+
+def test_reloading_a_tls_replica_fails_nothing(tls_dir):
+    """The same over TLS: the new version takes over the TLS listener."""
+    with replica_and_front_with(*tls_args(tls_dir, "replica")) as r:
+        reload_while_streaming(*r[:3])
+
+
+def reload_while_streaming(front, rhttp, rport):
     remote = f"127.0.0.1:{rport}"
     body = {"prompt": "Describe a long walk through a city at night.", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
     st, ref = request(rhttp, "POST", "/v1/completions", body)
@@ -521,3 +538,100 @@ def test_a_front_reload_reconnects_its_replicas(replica_and_front):
         assert o[2] is None and o[0] == ref["choices"][0]["text"], o
     assert request(front, "GET", "/ready")[1]["model_version"] == 2
     expect_routed_again(front, remote)  # the metrics are the new version's: its own keeper connected
+
+
+@pytest.fixture(scope="module")
+def tls_dir(tmp_path_factory):
+    """A CA, certificates it signs for a replica and a front, and a rogue certificate signed by
+    another CA (openssl's command line; RSA 2048, valid for two days)."""
+    import shutil
+    if not shutil.which("openssl"):
+        pytest.skip("no openssl command (scripts/setup.sh installs it)")
+    d = tmp_path_factory.mktemp("tls")
+
+    def ssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=120)
+
+    for ca in ("ca", "other_ca"):
+        ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2",
+            "-subj", f"/CN=troupe test {ca}")
+    for name, ca in [("replica", "ca"), ("front", "ca"), ("rogue", "other_ca")]:
+        ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        ssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "2")
+    return d
+
+
+def tls_args(d, cert, ca="ca"):
+    return ["--replica-tls-cert", str(d / f"{cert}.pem"), "--replica-tls-key", str(d / f"{cert}.key"),
+            "--replica-tls-ca", str(d / f"{ca}.pem")]
+
+
+def test_tls_between_replicas_admits_only_certificates_of_the_ca(tls_dir):
+    """--replica-tls-*: a front with a certificate of the replica's CA is served (a router only: every
+    generation crosses TLS, with the same greedy text as the replica's own). A plain-TCP front, a
+    front whose certificate another CA signed, and a front that trusts another CA are refused at
+    the handshake, say so in /ready and serve locally; raw bytes on the port do not disturb the
+    replica; a TLS front refuses a plain replica."""
+    import socket
+    rport, rhttp = free_port(), free_port()
+    replica = start_replica(rport, rhttp, *tls_args(tls_dir, "replica"))
+    remote = f"127.0.0.1:{rport}"
+    body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+    try:
+        st, ref = request(rhttp, "POST", "/v1/completions", body)
+        assert st == 200, ref
+        # The port speaks TLS, with the replica's certificate (openssl's own client checks it).
+        hello = subprocess.run(["openssl", "s_client", "-connect", remote, "-CAfile", str(tls_dir / "ca.pem"), "-brief",
+                                "-cert", str(tls_dir / "front.pem"), "-key", str(tls_dir / "front.key")],
+                               stdin=subprocess.DEVNULL, capture_output=True, timeout=30)  # stdout: the replica's binary bytes
+        said = hello.stderr.decode(errors="replace")
+        assert "Peer certificate: CN = replica" in said and "Verification: OK" in said, said
+        for args in [[], tls_args(tls_dir, "rogue"), tls_args(tls_dir, "front", ca="other_ca")]:
+            with running_server("--replica", remote, "--replica-retry-s", "0.3", *args) as (front, _):
+                def refused():
+                    st, ready = request(front, "GET", "/ready")
+                    return st == 200 and "handshake failed" in ready["replicas"][1]["status"] and not ready["replicas"][1]["up"]
+                wait_for(refused, 20, f"the front {args} was not refused at the handshake")
+                for _ in range(2):
+                    st, r = request(front, "POST", "/v1/completions", body)
+                    assert st == 200 and r["choices"][0]["text"] == ref["choices"][0]["text"], r
+                assert replica_series(front, "troupe_replica_routed_total", remote) == 0  # all served locally
+        with socket.create_connection(("127.0.0.1", rport), timeout=5) as s:  # not TLS, not BASP
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)) * 8)
+        with running_server("--replica", remote, "--local-replica", "false", "--replica-retry-s", "0.3",
+                            *tls_args(tls_dir, "front")) as (front, _):
+            wait_for(lambda: replica_series(front, "troupe_replica_up", remote) == 1, 20, "no TLS connection")
+            before = replica_series(front, "troupe_replica_routed_total", remote)
+            for _ in range(2):
+                st, r = request(front, "POST", "/v1/completions", body)
+                assert st == 200 and r["choices"][0]["text"] == ref["choices"][0]["text"], r
+            assert replica_series(front, "troupe_replica_routed_total", remote) == before + 2
+    finally:
+        stop(replica)
+    # The other way round: a plain replica, a TLS front.
+    rport, rhttp = free_port(), free_port()
+    replica = start_replica(rport, rhttp)
+    try:
+        with running_server("--replica", f"127.0.0.1:{rport}", "--replica-retry-s", "0.3", *tls_args(tls_dir, "front")) as (front, _):
+            def refused_plain():
+                st, ready = request(front, "GET", "/ready")
+                return st == 200 and "unreachable" in ready["replicas"][1]["status"]
+            wait_for(refused_plain, 20, "the plain replica was not refused")
+            for _ in range(10):  # and it stays refused
+                st, ready = request(front, "GET", "/ready")
+                assert st == 200 and not ready["replicas"][1]["up"], ready
+                time.sleep(0.2)
+    finally:
+        stop(replica)
+
+
+def test_bad_tls_options_are_refused(tls_dir):
+    d = tls_dir
+    for args, needle in [(["--replica-tls-cert", str(d / "front.pem")], "all three"),
+                         (tls_args(d, "front")[:2] + ["--replica-tls-key", str(d / "replica.key"), "--replica-tls-ca", str(d / "ca.pem")],
+                          "is not the key of"),
+                         (tls_args(d, "front")[:4] + ["--replica-tls-ca", str(d / "missing.pem")], "CA file"),
+                         (["--replica-tls-cert", str(d / "front.key"), *tls_args(d, "front")[2:]], "certificate")]:
+        r = subprocess.run([TROUPE, "serve", "--port", "0", "--publish-port", "0", *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and needle in r.stderr, (args, r.stderr)
