@@ -22,8 +22,10 @@ std::string validate(const engine_config& c) {
     return "--pipeline-parallel must be in [1, 64], got " + std::to_string(c.pipeline_parallel);
   if (c.expert_parallel < 1 || c.expert_parallel > 64)
     return "--expert-parallel must be in [1, 64], got " + std::to_string(c.expert_parallel);
-  if ((c.tensor_parallel > 1) + (c.pipeline_parallel > 1) + (c.expert_parallel > 1) > 1)
-    return "--tensor-parallel, --pipeline-parallel and --expert-parallel cannot be combined yet";
+  if (c.expert_parallel > 1 && (c.tensor_parallel > 1 || c.pipeline_parallel > 1))
+    return "--expert-parallel cannot be combined with --tensor-parallel or --pipeline-parallel yet";
+  if (c.tensor_parallel * c.pipeline_parallel > 64)
+    return "--tensor-parallel x --pipeline-parallel must be at most 64 workers, got " + std::to_string(c.tensor_parallel * c.pipeline_parallel);
   if (c.max_kv_bytes < (1 << 20)) return "--max-kv-bytes must be at least 1 MiB";
   try {
     parse_device(c.device);

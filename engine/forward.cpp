@@ -345,10 +345,11 @@ const std::vector<float>& cpu_forward::forward(std::span<const seq_chunk> batch,
     for (int64_t i = 0; i < n * d; ++i) x_[(size_t)i] += h_[(size_t)i];
   }
 
-  // A stage before the last hands its rows on.
+  // A stage before the last hands its rows on (rank 0 of a group: the ranks' rows are the same,
+  // and the others have read `hidden` before the first all-reduce that rank 0 passed).
   if (!last) {
     if (!hidden) throw std::invalid_argument("forward: a stage before the last needs somewhere to put its hidden rows");
-    hidden->assign(x_.begin(), x_.begin() + n * d);
+    if (!comm_ || comm_->rank() == 0) hidden->assign(x_.begin(), x_.begin() + n * d);
     logits_.clear();
     return logits_;
   }

@@ -281,6 +281,46 @@ TEST_CASE("pipeline parallel: 2, 3 and 5 stages, 1 to 4 micro-batches, logits bi
   CHECK(bit_identical(staged(*f, 2, 3, 8), unsharded(*f, 8)));
 }
 
+TEST_CASE("tensor and pipeline parallel combined: each stage a group of ranks", "[engine][tp][pp][model]") {
+  // Stages are bit-identical to one stage, so stages of tensor-parallel groups are bit-identical
+  // to the same groups unstaged (the ranks pass the rows on after their all-reduces).
+  auto m = load("models/default.gguf");
+  const auto& hp = m->hparams();
+  const kv_shape full{hp.n_layers, hp.n_kv_heads, hp.head_dim, 16};
+  REQUIRE(parallel_error(*m, {.tensor = 3, .pipeline = 2}).empty());
+  const auto tp_alone = sharded(*m, 3, 8);
+  for (auto [stages, mbs] : {std::pair{2, 2}, std::pair{3, 1}}) {
+    INFO(stages << " stages of 3 ranks, " << mbs << " micro-batches");
+    pp_cpu_forward both(*m, stages, full, 8, 1, 1, mbs, std::chrono::seconds(120), 3);
+    CHECK(bit_identical(run_steps(both, hp.n_vocab), tp_alone));
+  }
+  // On the f32 model (exact arithmetic but for the order of sums), 2 x 2 against one rank; its one
+  // KV head per rank of 2 (llama_f32_gqa2 on 4 ranks shares them: replicated) too.
+  for (const char* fixture : {"llama_f32_hd64", "llama_f32_gqa2"}) {
+    INFO(fixture);
+    auto f = load(std::string("tests/fixtures/generated/") + fixture + ".gguf");
+    const auto& fh = f->hparams();
+    const int ranks = fh.n_kv_heads == 2 && fh.n_heads == 4 ? 4 : 2;
+    pp_cpu_forward both(*f, 2, {fh.n_layers, fh.n_kv_heads, fh.head_dim, 16}, 8, 1, 1, 2, std::chrono::seconds(120), ranks);
+    CHECK(worst_rel(run_steps(both, fh.n_vocab), unsharded(*f, 8)) < 1e-4);
+  }
+  // Swap and copy-on-write reach every rank of every stage.
+  pp_cpu_forward both(*m, 2, full, 8, 1, 1, 2, std::chrono::seconds(120), 3);
+  int n = 0;
+  both.for_each_kv([&](kv_storage& d, kv_storage&) {
+    CHECK(d.shape().n_kv_heads == 1);
+    ++n;
+  });
+  CHECK(n == 6);
+  // Expert parallel stands alone; a shape that does not split is named.
+  CHECK_THAT(parallel_error(*m, {.tensor = 3, .expert = 2}), Catch::Contains("expert parallelism cannot be combined"));
+  CHECK_THAT(parallel_error(*m, {.tensor = 2, .pipeline = 2}), Catch::Contains("9 attention heads"));
+  CHECK_THAT(parallel_error(*m, {.tensor = 3, .pipeline = 31}), Catch::Contains("30 layers do not split into 31"));
+  CHECK_THROWS_AS(pp_cpu_forward(*m, 2, full, 8, 1, 1, 2, std::chrono::seconds(120), 2), std::invalid_argument);
+  // The KV budget: the stages partition the layers, the ranks the heads.
+  CHECK(split_block_bytes(full, {.tensor = 3, .pipeline = 2}) == full.block_bytes());
+}
+
 TEST_CASE("tensor and pipeline parallel: a bad batch is refused before the ranks or stages run, and they stay usable", "[engine][tp][pp]") {
   auto m = load("tests/fixtures/generated/llama_f32_hd64.gguf");
   const auto& hp = m->hparams();

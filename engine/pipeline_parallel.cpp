@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "engine/tensor_parallel.hpp"
 #include "kernels/thread_pool.hpp"
 
 namespace troupe::engine {
@@ -73,28 +74,45 @@ kv_shape stage_shape(const kv_shape& full, int layers) {
 
 struct pp_cpu_forward::stage {
   int index, begin, end;
-  kernels::thread_pool pool;
-  kv_storage device, host;
-  cpu_forward fwd;
+  // One rank: its kernel pool, KV pools and forward; or a tensor-parallel group (each rank with its own).
+  std::unique_ptr<kernels::thread_pool> pool;
+  std::unique_ptr<kv_storage> device, host;
+  std::unique_ptr<cpu_forward> fwd;
+  std::unique_ptr<tp_cpu_forward> tp;
   std::thread thread;
   std::exception_ptr error;  // of the last step
-  stage(const model& m, int index, std::pair<int, int> layers, const kv_shape& full, int32_t n_blocks, int32_t n_host, int threads)
-      : index(index),
-        begin(layers.first),
-        end(layers.second),
-        pool(threads),
-        device(stage_shape(full, end - begin), n_blocks),
-        host(stage_shape(full, end - begin), std::max(n_host, 1)),
-        fwd(m, device, pool, {nullptr, nullptr, begin, end}) {}
+  stage(const model& m, int index, std::pair<int, int> layers, const kv_shape& full, int32_t n_blocks, int32_t n_host, int threads,
+        int tensor)
+      : index(index), begin(layers.first), end(layers.second) {
+    const kv_shape shape = stage_shape(full, end - begin);
+    if (tensor > 1) {
+      tp = std::make_unique<tp_cpu_forward>(m, tensor, shape, n_blocks, n_host, threads, parallel_split::tensor, layers);
+      return;
+    }
+    pool = std::make_unique<kernels::thread_pool>(threads);
+    device = std::make_unique<kv_storage>(shape, n_blocks);
+    host = std::make_unique<kv_storage>(shape, std::max(n_host, 1));
+    fwd = std::make_unique<cpu_forward>(m, *device, *pool, forward_part{nullptr, nullptr, begin, end});
+  }
+  const std::vector<float>& forward(std::span<const seq_chunk> mb, std::vector<float>* hidden) {
+    return tp ? tp->forward(mb, hidden) : fwd->forward(mb, hidden);
+  }
 };
 
 pp_cpu_forward::pp_cpu_forward(const model& m, int n_stages, const kv_shape& full, int32_t n_blocks, int32_t n_host_blocks,
-                               int threads_per_stage, int micro_batches, std::chrono::milliseconds stage_timeout)
-    : micro_batches_(micro_batches > 0 ? micro_batches : n_stages), timeout_(stage_timeout) {
+                               int threads_per_stage, int micro_batches, std::chrono::milliseconds stage_timeout, int tensor_ranks)
+    : micro_batches_(micro_batches > 0 ? micro_batches : n_stages),
+      timeout_(stage_timeout),
+      n_vocab_(m.hparams().n_vocab),
+      block_size_(full.block_size),
+      n_blocks_(n_blocks) {
   if (threads_per_stage < 1) throw std::invalid_argument("pipeline parallel: each stage needs at least one thread");
+  if (tensor_ranks > 1)
+    if (std::string err = tensor_parallel_error(m, tensor_ranks); !err.empty()) throw std::invalid_argument(err);
   const auto layers = split_layers(m.hparams().n_layers, n_stages);
   for (int s = 0; s < n_stages; ++s)
-    stages_.push_back(std::make_unique<stage>(m, s, layers[(size_t)s], full, n_blocks, n_host_blocks, threads_per_stage));
+    stages_.push_back(
+        std::make_unique<stage>(m, s, layers[(size_t)s], full, n_blocks, n_host_blocks, threads_per_stage, std::max(1, tensor_ranks)));
   for (auto& s : stages_) s->thread = std::thread([this, st = s.get()] { worker(*st); });
 }
 
@@ -133,7 +151,7 @@ void pp_cpu_forward::worker(stage& s) {
         if (failed_) break;
       }
       try {
-        const std::vector<float>& l = s.fwd.forward(mbs_[i], &hidden_[i]);
+        const std::vector<float>& l = s.forward(mbs_[i], &hidden_[i]);
         if (last) std::copy(l.begin(), l.end(), logits_.begin() + (ptrdiff_t)logits_at_[i]);
       } catch (...) {
         s.error = std::current_exception();
@@ -156,9 +174,8 @@ void pp_cpu_forward::worker(stage& s) {
 }
 
 const std::vector<float>& pp_cpu_forward::forward(std::span<const seq_chunk> batch) {
-  const kv_storage& kv0 = stages_[0]->device;
-  const int n_vocab = stages_[0]->fwd.hparams().n_vocab;
-  validate_batch(batch, n_vocab, kv0.shape().block_size, kv0.n_blocks());
+  const int n_vocab = n_vocab_;
+  validate_batch(batch, n_vocab, block_size_, n_blocks_);
   std::unique_lock lk(mu_);
   mbs_ = split_micro_batches(batch, micro_batches_);
   hidden_.assign(mbs_.size(), {});
@@ -181,7 +198,10 @@ const std::vector<float>& pp_cpu_forward::forward(std::span<const seq_chunk> bat
 }
 
 void pp_cpu_forward::for_each_kv(const std::function<void(kv_storage&, kv_storage&)>& fn) {
-  for (auto& s : stages_) fn(s->device, s->host);
+  for (auto& s : stages_) {
+    if (s->tp) s->tp->for_each_kv(fn);
+    else fn(*s->device, *s->host);
+  }
 }
 
 }  // namespace troupe::engine

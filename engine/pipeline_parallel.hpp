@@ -45,10 +45,13 @@ std::vector<std::vector<seq_chunk>> split_micro_batches(std::span<const seq_chun
 class pp_cpu_forward {
  public:
   /// `full`: the whole model's KV shape; each stage holds n_blocks (and n_host_blocks) blocks of
-  /// its layers. micro_batches 0: as many as stages.
+  /// its layers. micro_batches 0: as many as stages. tensor_ranks > 1: each stage is a
+  /// tensor-parallel group of that many ranks over its layers (engine/tensor_parallel.hpp), each
+  /// rank with threads_per_stage threads and the KV of its heads — Megatron's TP within a stage,
+  /// PP across stages.
   pp_cpu_forward(const model& m, int n_stages, const kv_shape& full, int32_t n_blocks, int32_t n_host_blocks,
                  int threads_per_stage, int micro_batches = 0,
-                 std::chrono::milliseconds stage_timeout = std::chrono::seconds(120));
+                 std::chrono::milliseconds stage_timeout = std::chrono::seconds(120), int tensor_ranks = 1);
   ~pp_cpu_forward();
   pp_cpu_forward(const pp_cpu_forward&) = delete;
   pp_cpu_forward& operator=(const pp_cpu_forward&) = delete;
@@ -68,6 +71,8 @@ class pp_cpu_forward {
   std::vector<std::unique_ptr<stage>> stages_;
   int micro_batches_;
   std::chrono::milliseconds timeout_;
+  int n_vocab_, block_size_;
+  int32_t n_blocks_;
   std::mutex mu_;
   std::condition_variable cv_;
   // The step under way: its micro-batches, their hidden rows, where each one's logits go.

@@ -10,7 +10,11 @@
 namespace troupe::engine {
 
 std::string parallel_error(const model& m, const parallelism& p) {
-  if ((p.tensor > 1) + (p.pipeline > 1) + (p.expert > 1) > 1) return "tensor, pipeline and expert parallelism cannot be combined yet";
+  if (p.expert > 1 && (p.tensor > 1 || p.pipeline > 1)) return "expert parallelism cannot be combined with tensor or pipeline parallelism yet";
+  if (p.tensor > 1 && p.pipeline > 1) {  // each pipeline stage a tensor-parallel group
+    if (std::string err = tensor_parallel_error(m, p.tensor); !err.empty()) return err;
+    return pipeline_parallel_error(m.hparams().n_layers, p.pipeline);
+  }
   if (p.tensor > 1) return tensor_parallel_error(m, p.tensor);
   if (p.expert > 1) return expert_parallel_error(m, p.expert);
   if (p.pipeline > 1) return pipeline_parallel_error(m.hparams().n_layers, p.pipeline);
@@ -27,11 +31,12 @@ split_forward::split_forward(const model& m, const parallelism& p, const kv_shap
                              int n_threads) {
   if (std::string err = parallel_error(m, p); !err.empty()) throw std::invalid_argument(err);
   const int32_t n_host = std::max(n_host_blocks, 1);
-  const int ways = std::max({p.tensor, p.pipeline, p.expert});
+  const int ways = p.tensor * p.pipeline * p.expert;  // workers: one kind, or stages x ranks
   const int per = std::max(1, n_threads / ways);
-  if (p.tensor > 1) tp_ = std::make_unique<tp_cpu_forward>(m, p.tensor, full, n_blocks, n_host, per);
+  if (p.pipeline > 1)
+    pp_ = std::make_unique<pp_cpu_forward>(m, p.pipeline, full, n_blocks, n_host, per, 0, std::chrono::seconds(120), p.tensor);
+  else if (p.tensor > 1) tp_ = std::make_unique<tp_cpu_forward>(m, p.tensor, full, n_blocks, n_host, per);
   else if (p.expert > 1) tp_ = std::make_unique<tp_cpu_forward>(m, p.expert, full, n_blocks, n_host, per, parallel_split::expert);
-  else if (p.pipeline > 1) pp_ = std::make_unique<pp_cpu_forward>(m, p.pipeline, full, n_blocks, n_host, per);
   else {
     pool_ = std::make_unique<kernels::thread_pool>(std::max(1, n_threads));
     device_ = std::make_unique<kv_storage>(full, n_blocks);

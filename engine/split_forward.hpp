@@ -26,12 +26,13 @@ namespace troupe::engine {
 class tp_cpu_forward;
 class pp_cpu_forward;
 
-/// Ranks or stages of each kind of split; one kind > 1 at most.
+/// Ranks or stages of each kind of split: tensor and pipeline combine (each stage a group of
+/// tensor-parallel ranks), expert parallel stands alone.
 struct parallelism {
   int tensor = 1, pipeline = 1, expert = 1;
 };
 
-/// Empty when `m` runs split as `p` says, else why not (kinds combined, a shape that does not split).
+/// Empty when `m` runs split as `p` says, else why not (expert parallel combined, a shape that does not split).
 std::string parallel_error(const model& m, const parallelism& p);
 
 /// The bytes one block id takes over every rank or stage of `p` (what a KV budget is divided by):

@@ -141,20 +141,20 @@ struct tp_cpu_forward::rank_state {
   std::thread thread;
   std::exception_ptr error;  // of the last step
   rank_state(const model& m, int rank, int n, const kv_shape& full, int32_t n_blocks, int32_t n_host, int threads, communicator& comm,
-             parallel_split split)
+             parallel_split split, std::pair<int, int> layers)
       : shard(split == parallel_split::tensor ? shard_model(m, rank, n) : shard_experts(m, rank, n)),
         pool(threads),
         device(split == parallel_split::tensor ? shard_kv_shape(full, n) : full, n_blocks),
         host(split == parallel_split::tensor ? shard_kv_shape(full, n) : full, std::max(n_host, 1)),
-        fwd(m, device, pool, {&shard, &comm}) {}
+        fwd(m, device, pool, {&shard, &comm, layers.first, layers.second}) {}
 };
 
 tp_cpu_forward::tp_cpu_forward(const model& m, int n, const kv_shape& full, int32_t n_blocks, int32_t n_host_blocks, int threads_per_rank,
-                               parallel_split split)
+                               parallel_split split, std::pair<int, int> layers)
     : group_(std::make_unique<local_group>(n)) {
   if (threads_per_rank < 1) throw std::invalid_argument("tensor parallel: each rank needs at least one thread");
   for (int r = 0; r < n; ++r)
-    ranks_.push_back(std::make_unique<rank_state>(m, r, n, full, n_blocks, n_host_blocks, threads_per_rank, group_->rank(r), split));
+    ranks_.push_back(std::make_unique<rank_state>(m, r, n, full, n_blocks, n_host_blocks, threads_per_rank, group_->rank(r), split, layers));
   for (auto& r : ranks_) r->thread = std::thread([this, rs = r.get()] { worker(*rs); });
 }
 
@@ -171,16 +171,18 @@ void tp_cpu_forward::worker(rank_state& r) {
   uint64_t seen = 0;
   for (;;) {
     std::span<const seq_chunk> batch;
+    std::vector<float>* hidden = nullptr;
     {
       std::unique_lock lk(mu_);
       cv_.wait(lk, [&] { return stop_ || step_ != seen; });
       if (stop_) return;
       seen = step_;
       batch = batch_;
+      hidden = hidden_;
     }
     r.error = nullptr;
     try {
-      r.fwd.forward(batch);
+      r.fwd.forward(batch, hidden);
     } catch (...) {
       r.error = std::current_exception();
       group_->abort("rank " + std::to_string(r.shard.rank) + " failed");  // the others' collectives throw
@@ -193,7 +195,7 @@ void tp_cpu_forward::worker(rank_state& r) {
   }
 }
 
-const std::vector<float>& tp_cpu_forward::forward(std::span<const seq_chunk> batch) {
+const std::vector<float>& tp_cpu_forward::forward(std::span<const seq_chunk> batch, std::vector<float>* hidden) {
   // A bad batch is refused here, before any rank starts (the group stays usable).
   const kv_storage& kv0 = ranks_[0]->device;
   validate_batch(batch, ranks_[0]->shard.hp.n_vocab, kv0.shape().block_size, kv0.n_blocks(), kv0.shape().n_groups,
@@ -201,6 +203,7 @@ const std::vector<float>& tp_cpu_forward::forward(std::span<const seq_chunk> bat
   std::unique_lock lk(mu_);
   if (error_) std::rethrow_exception(error_);
   batch_ = batch;
+  hidden_ = hidden;
   done_ = 0;
   ++step_;
   cv_.notify_all();

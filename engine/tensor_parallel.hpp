@@ -22,6 +22,7 @@
 #include <mutex>
 #include <span>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "engine/communicator.hpp"
@@ -71,15 +72,19 @@ class tp_cpu_forward {
   /// `full`: the unsharded KV shape; every rank holds n_blocks (and n_host_blocks) blocks of its share.
   /// `split`: heads and feed-forward columns (tensor), or experts (expert; each rank then holds
   /// the whole KV cache, its attention being replicated).
+  /// `layers`: a pipeline stage's [begin, end) (end -1: the last layer), `full` then the shape of
+  /// those layers' KV (a tensor-parallel group as one stage of a pipeline).
   tp_cpu_forward(const model& m, int n_ranks, const kv_shape& full, int32_t n_blocks, int32_t n_host_blocks, int threads_per_rank,
-                 parallel_split split = parallel_split::tensor);
+                 parallel_split split = parallel_split::tensor, std::pair<int, int> layers = {0, -1});
   ~tp_cpu_forward();
   tp_cpu_forward(const tp_cpu_forward&) = delete;
   tp_cpu_forward& operator=(const tp_cpu_forward&) = delete;
 
   /// As cpu_forward::forward (rank 0's logits). A rank's exception is rethrown here, after every
   /// rank has stopped; the group is then unusable (build a new one).
-  const std::vector<float>& forward(std::span<const seq_chunk> batch);
+  const std::vector<float>& forward(std::span<const seq_chunk> batch) { return forward(batch, nullptr); }
+  /// A pipeline stage's step (cpu_forward's): every rank reads `hidden`, rank 0 writes it.
+  const std::vector<float>& forward(std::span<const seq_chunk> batch, std::vector<float>* hidden);
   /// Runs `fn(rank's device pool, rank's host pool)` on every rank (block copies: swap,
   /// copy-on-write), on the calling thread.
   void for_each_kv(const std::function<void(kv_storage& device, kv_storage& host)>& fn);
@@ -94,6 +99,7 @@ class tp_cpu_forward {
   std::mutex mu_;
   std::condition_variable cv_;
   std::span<const seq_chunk> batch_;
+  std::vector<float>* hidden_ = nullptr;
   uint64_t step_ = 0;
   int done_ = 0;
   bool stop_ = false;

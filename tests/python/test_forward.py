@@ -178,6 +178,8 @@ def test_tiny_greedy(tiny_dir, name):
     ("llama_f32_4layer_vocab384", ("--tensor-parallel", "2")), ("llama_f16", ("--tensor-parallel", "2")),
     ("llama_bf16_untied", ("--tensor-parallel", "2")), ("qwen2_f32_untied", ("--tensor-parallel", "2")),
     ("qwen2_f16_mha", ("--tensor-parallel", "4")),
+    # one KV head (with its bias) replicated on 4 ranks; ranks within pipeline stages
+    ("qwen2_f32_mqa", ("--tensor-parallel", "4")), ("llama_f32_gqa2", ("--tensor-parallel", "2", "--pipeline-parallel", "2")),
     ("llama_moe_f32", ("--expert-parallel", "2")), ("llama_moe_q8_0", ("--expert-parallel", "4")),
 ])
 def test_tiny_logits_split(tiny_dir, name, flags, tmp_path):
@@ -194,8 +196,10 @@ def test_tiny_logits_split(tiny_dir, name, flags, tmp_path):
 
 # Tensor parallelism (engine/tensor_parallel.hpp) is checked against the same reference with the
 # same bounds: the default model's 9 heads, 3 KV heads and 1536 feed-forward columns split in 3;
-# so is pipeline parallelism (engine/pipeline_parallel.hpp): 30 layers in 4 stages.
-TP = {"1 rank": (), "3 ranks": ("--tensor-parallel", "3"), "4 stages": ("--pipeline-parallel", "4")}
+# so is pipeline parallelism (engine/pipeline_parallel.hpp): 30 layers in 4 stages; and both, 2
+# stages of 3 ranks.
+TP = {"1 rank": (), "3 ranks": ("--tensor-parallel", "3"), "4 stages": ("--pipeline-parallel", "4"),
+      "2 stages x 3 ranks": ("--pipeline-parallel", "2", "--tensor-parallel", "3")}
 
 
 @pytest.mark.parametrize("tp", list(TP))
