@@ -195,12 +195,11 @@ TEST_CASE("tensor parallel: shapes that do not split are refused with the reason
   CHECK_THAT(tensor_parallel_error(*m, 9), Catch::Contains("a feed-forward width of 1536"));  // 3 KV heads replicate over 9
   auto gqa2 = load("tests/fixtures/generated/llama_f32_gqa2.gguf");  // 4 heads, 2 KV heads: 4 ranks replicate them
   CHECK(tensor_parallel_error(*gqa2, 4).empty());
-  auto gqa = load("tests/fixtures/generated/llama_q4_k.gguf");  // 4 heads, 2 KV heads
-  CHECK_THAT(tensor_parallel_error(*gqa, 4), Catch::Contains("input columns"));  // KV heads fine; O's Q4_K blocks not
   CHECK(tensor_parallel_error(*m, 1).empty());
   CHECK(tensor_parallel_error(*m, 3).empty());
-  auto q4k = load("tests/fixtures/generated/llama_q4_k.gguf");  // O: 256 input columns, blocks of 256
+  auto q4k = load("tests/fixtures/generated/llama_q4_k.gguf");  // 4 heads, 2 KV heads; O: 256 input columns, blocks of 256
   CHECK_THAT(tensor_parallel_error(*q4k, 2), Catch::Contains("256 input columns does not split into 2 tensor-parallel ranks of whole Q4_K blocks (256 values)"));
+  CHECK_THAT(tensor_parallel_error(*q4k, 4), Catch::Contains("input columns"));  // its KV heads would replicate; O's blocks do not split
   const auto& hp = q4k->hparams();
   CHECK_THROWS_AS(tp_cpu_forward(*q4k, 2, {hp.n_layers, hp.n_kv_heads, hp.head_dim, 16}, 4, 1, 1), std::invalid_argument);
 }
@@ -294,13 +293,12 @@ TEST_CASE("tensor and pipeline parallel combined: each stage a group of ranks", 
     pp_cpu_forward both(*m, stages, full, 8, 1, 1, mbs, std::chrono::seconds(120), 3);
     CHECK(bit_identical(run_steps(both, hp.n_vocab), tp_alone));
   }
-  // On the f32 model (exact arithmetic but for the order of sums), 2 x 2 against one rank; its one
-  // KV head per rank of 2 (llama_f32_gqa2 on 4 ranks shares them: replicated) too.
-  for (const char* fixture : {"llama_f32_hd64", "llama_f32_gqa2"}) {
-    INFO(fixture);
+  // f32 models (exact arithmetic but for the order of sums) against one rank: 2 stages of 2 ranks,
+  // and of 4 ranks sharing 2 KV heads (replicated).
+  for (auto [fixture, ranks] : {std::pair{"llama_f32_hd64", 2}, std::pair{"llama_f32_gqa2", 4}}) {
+    INFO(fixture << ": 2 stages of " << ranks << " ranks");
     auto f = load(std::string("tests/fixtures/generated/") + fixture + ".gguf");
     const auto& fh = f->hparams();
-    const int ranks = fh.n_kv_heads == 2 && fh.n_heads == 4 ? 4 : 2;
     pp_cpu_forward both(*f, 2, {fh.n_layers, fh.n_kv_heads, fh.head_dim, 16}, 8, 1, 1, 2, std::chrono::seconds(120), ranks);
     CHECK(worst_rel(run_steps(both, fh.n_vocab), unsharded(*f, 8)) < 1e-4);
   }

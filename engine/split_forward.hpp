@@ -1,6 +1,6 @@
-// The CPU forward with KV pools of its own, run whole or split one way — tensor, pipeline or
-// expert parallel (engine/tensor_parallel.hpp, engine/pipeline_parallel.hpp) — with the threads
-// shared among the ranks or stages. What the executor's CPU backend and the generator drive.
+// The CPU forward with KV pools of its own, run whole or split — tensor, pipeline (of tensor-parallel
+// groups, with both) or expert parallel (engine/tensor_parallel.hpp, engine/pipeline_parallel.hpp)
+// — with the threads shared among the ranks and stages. What the executor's CPU backend and the generator drive.
 //
 //   split_forward fwd(model, {.tensor = 3}, kv_shape_of_the_model, n_blocks, n_host_blocks, n_threads);
 //   const auto& logits = fwd.forward(batch);
