@@ -255,10 +255,12 @@ int32_t window_blocks(int block_size, kv_groups g) {
 }
 }  // namespace
 
-int32_t block_manager::peak_blocks(int64_t n_positions) const {
-  const int32_t all = kv_blocks_for(n_positions, block_size_);
-  const int32_t live = window_blocks(block_size_, groups_);
-  return all + (live < 0 ? all : std::min(all, live)) * (groups_.n - 1);
+int32_t block_manager::peak_blocks(int64_t n_positions) const { return kv_peak_blocks(n_positions, block_size_, groups_); }
+
+int32_t kv_peak_blocks(int64_t n_positions, int block_size, kv_groups g) {
+  const int32_t all = kv_blocks_for(n_positions, block_size);
+  const int32_t live = window_blocks(block_size, g);
+  return all + (live < 0 ? all : std::min(all, live)) * (g.n - 1);
 }
 
 int64_t kv_max_positions(int block_size, int32_t n_device, kv_groups g) {

@@ -86,6 +86,9 @@ struct kv_groups {
 /// group's blocks counted, block_manager::peak_blocks).
 int64_t kv_max_positions(int block_size, int32_t n_device, kv_groups groups);
 
+/// Blocks (every group) one sequence of n_positions positions holds at most: block_manager::peak_blocks.
+int32_t kv_peak_blocks(int64_t n_positions, int block_size, kv_groups groups);
+
 /// What allocate() would do for a prompt, without doing it.
 struct allocation_cost {
   int64_t n_cached_positions = 0;  // leading positions served by cached blocks

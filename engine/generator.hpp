@@ -1,7 +1,9 @@
 // A self-contained generation driver over the CPU forward: prompts are prefilled in chunks under
 // a per-step token budget while already-prefilled sequences decode in the same step (the same
 // mixing the scheduler actor does), sampling with stop tokens and stop strings, text streamed as
-// valid UTF-8. Used by `troupe generate`, `troupe bench` and the engine tests.
+// valid UTF-8. Blocks come from a block manager, so a model with sliding-window layers holds only
+// their windows (as served). Used by `troupe generate`, `troupe logits`, `troupe bench` and the
+// engine tests.
 #pragma once
 
 #include <functional>
@@ -49,6 +51,8 @@ struct generator_options {
   int tensor_parallel = 1;  // > 1: the forward split over this many ranks (engine/tensor_parallel.hpp), threads shared
   int pipeline_parallel = 1;  // > 1: the layers split over this many stages (engine/pipeline_parallel.hpp), threads shared
   int expert_parallel = 1;    // > 1: a mixture of experts' experts split over this many ranks, threads shared
+  bool kv_window_groups = true;  // sliding-window layers in KV groups of their own that give back the blocks
+                                 // out of the window (without pipeline stages); false: --swa-full
 };
 
 class generator {
@@ -69,6 +73,10 @@ class generator {
 
   const model& get_model() const { return m_; }
   int n_ctx() const { return n_ctx_; }
+  /// The KV layout the forward runs over (model_kv_shape's, grouped per kv_window_groups).
+  const kv_shape& shape() const { return shape_; }
+  /// Bytes of the KV cache built (every rank's; sized for the largest run or logits_all so far).
+  int64_t kv_bytes() const { return kv_blocks_ * split_block_bytes(shape_, parallel()); }
 
  private:
   void ensure_kv(int64_t n_blocks);
@@ -77,6 +85,7 @@ class generator {
   generator_options opt_;
   int n_ctx_;
   parallelism parallel() const { return {opt_.tensor_parallel, opt_.pipeline_parallel, opt_.expert_parallel}; }
+  kv_shape shape_;
   std::unique_ptr<split_forward> fwd_;
   int64_t kv_blocks_ = 0;  // blocks of the KV cache built
 };

@@ -51,7 +51,7 @@ int run_generate(generate_opts& o) {
   o.sampling.logprobs = o.sampling.top_logprobs > 0;
   if (auto err = o.sampling.validate(); !err.empty()) throw std::runtime_error(err);
   auto m = load_model(o.engine);
-  engine::generator gen(*m, {o.engine.n_threads, o.engine.n_ctx, o.engine.kv_block_size, o.engine.n_batch, o.engine.tensor_parallel, o.engine.pipeline_parallel, o.engine.expert_parallel});
+  engine::generator gen(*m, {o.engine.n_threads, o.engine.n_ctx, o.engine.kv_block_size, o.engine.n_batch, o.engine.tensor_parallel, o.engine.pipeline_parallel, o.engine.expert_parallel, !o.engine.swa_full});
   const engine::tokenizer& tok = m->vocab();
 
   auto stream = [&](size_t, engine::token_id, std::string_view text) {

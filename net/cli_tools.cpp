@@ -33,7 +33,7 @@ action add_logits(CLI::App& app) {
     const auto ids = parse_token_list(o->tokens);
     if (ids.empty()) throw std::runtime_error("--tokens is empty");
     auto m = load_model(o->engine);
-    engine::generator gen(*m, {o->engine.n_threads, o->engine.n_ctx, o->engine.kv_block_size, o->engine.n_batch, o->engine.tensor_parallel, o->engine.pipeline_parallel, o->engine.expert_parallel});
+    engine::generator gen(*m, {o->engine.n_threads, o->engine.n_ctx, o->engine.kv_block_size, o->engine.n_batch, o->engine.tensor_parallel, o->engine.pipeline_parallel, o->engine.expert_parallel, !o->engine.swa_full});
     const auto logits = gen.logits_all(ids);
     FILE* f = std::fopen(o->out.c_str(), "wb");
     if (!f) throw std::runtime_error("cannot write " + o->out);

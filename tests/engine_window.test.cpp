@@ -12,6 +12,7 @@
 
 #include "engine/block_manager.hpp"
 #include "engine/forward.hpp"
+#include "engine/generator.hpp"
 #include "engine/tensor_parallel.hpp"
 #include "kernels/thread_pool.hpp"
 
@@ -158,4 +159,43 @@ TEST_CASE("tensor parallel over sliding-window groups: Gemma 3's one KV head rep
   REQUIRE(shard_kv_shape(grouped, n).n_groups == 6);
   tp_ranks f_flat(m, n, model_kv_shape(m, 16, false), 48), f_grouped(m, n, grouped, 48 * 6);
   check_windows(m, f_flat, f_grouped, grouped, 48 * 6);
+}
+
+TEST_CASE("the generator over sliding-window groups: the logits and greedy tokens of one table, in less memory", "[engine][model][window]") {
+  const model& m = gemma();
+  const std::vector<token_id> prompt = long_prompt(m);
+  // generator_options: threads, context, block size, tokens per step (prompts in chunks of 100).
+  generator grouped(m, {2, 0, 16, 100}), flat(m, {2, 0, 16, 100, 1, 1, 1, false});
+  REQUIRE(grouped.shape().n_groups == 6);
+  REQUIRE(flat.shape().n_groups == 1);
+  const std::vector<float> a = grouped.logits_all(prompt), b = flat.logits_all(prompt);
+  REQUIRE(a.size() == b.size());
+  CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+
+  std::vector<generation_request> reqs(3);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    reqs[i].prompt = std::vector<token_id>(prompt.begin() + (ptrdiff_t)(i * 40), prompt.end());  // three lengths past the window
+    reqs[i].max_tokens = 12;
+    reqs[i].sampling.temperature = 0;
+    reqs[i].sampling.ignore_eos = true;
+  }
+  const auto ga = grouped.run(reqs), gb = flat.run(reqs);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    INFO("request " << i);
+    REQUIRE(ga[i].tokens.size() == 12);
+    CHECK(ga[i].tokens == gb[i].tokens);
+  }
+  // The pools: every block of the 3 full-attention layers, the window's (and one step's tokens
+  // ahead) of the 15 sliding ones — at ~700 positions a little less than one table of every layer
+  // (the window is most of the context); at 4096 positions well under a third.
+  int32_t peak = 0, all = 0;
+  for (const auto& r : reqs) {
+    peak += kv_peak_blocks((int64_t)r.prompt.size() + 12, 16, {6, grouped.shape().window, 100});
+    all += kv_blocks_for((int64_t)r.prompt.size() + 12, 16);
+  }
+  CHECK(grouped.kv_bytes() == peak * grouped.shape().block_bytes());
+  CHECK(flat.kv_bytes() == all * flat.shape().block_bytes());
+  CHECK(grouped.kv_bytes() < flat.kv_bytes());
+  CHECK(kv_peak_blocks(4096, 16, {6, grouped.shape().window, 100}) * grouped.shape().block_bytes() * 3 <
+        kv_blocks_for(4096, 16) * flat.shape().block_bytes());
 }
