@@ -231,3 +231,21 @@ def test_tensor_parallel_serves_over_sliding_window_groups():
     group_block = 16 * 256 * 2 * 2 * 3 * 2
     assert blocks[()] == (64 << 20) // group_block
     assert blocks[("--swa-full",)] == (64 << 20) // (group_block * 6)
+
+
+def test_tensor_parallel_sliding_window_groups_survive_swap():
+    """Two ranks, each with its copy of the KV head in sliding-window groups, in a pool too small
+    for three long generations: sequences are swapped out (every rank's blocks) and back, and each
+    greedy text equals the one the same ranks generate with room to spare."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [LONG, "Again: " + LONG, "And once more: " + LONG]
+    texts = {}
+    for kv_mb in ("128", "40"):  # two ranks' copies: the budget of 64 and 20 MiB for one rank
+        with running_server("--model", str(GEMMA), "--tensor-parallel", "2", "--batch-size", "64", "--kv-mb", kv_mb,
+                            "--preemption", "swap") as (port, _):
+            with ThreadPoolExecutor(len(prompts)) as ex:
+                texts[kv_mb] = list(ex.map(lambda p: complete(port, p, 40, ignore_eos=True)["choices"][0]["text"], prompts))
+            swaps = metric_sum(port, "troupe_preemptions_total", 'mode="swap"')
+            assert (swaps > 0) == (kv_mb == "40"), (kv_mb, swaps)
+    assert texts["40"] == texts["128"]
