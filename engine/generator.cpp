@@ -6,7 +6,6 @@
 
 #include "engine/block_manager.hpp"
 
-
 namespace troupe::engine {
 
 namespace {
@@ -25,6 +24,7 @@ struct seq_state {
   seq_state(const generation_request& r, const tokenizer& tok)
       : req(&r), tokens(r.prompt), samp(r.sampling), stops(r.sampling.stop), dec(tok, false) {}
 };
+
 kv_groups groups_of(const kv_shape& shape, int step_tokens) { return {shape.n_groups, shape.window, step_tokens}; }
 
 // The sequences' block tables, from a block manager over the forward's pool (blocks of a sliding
