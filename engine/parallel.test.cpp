@@ -195,6 +195,10 @@ TEST_CASE("tensor parallel: shapes that do not split are refused with the reason
   CHECK_THAT(tensor_parallel_error(*m, 9), Catch::Contains("a feed-forward width of 1536"));  // 3 KV heads replicate over 9
   auto gqa2 = load("tests/fixtures/generated/llama_f32_gqa2.gguf");  // 4 heads, 2 KV heads: 4 ranks replicate them
   CHECK(tensor_parallel_error(*gqa2, 4).empty());
+  auto kv3 = load("tests/fixtures/generated/llama_f32_kv3.gguf");  // 6 heads, 3 KV heads
+  CHECK_THAT(tensor_parallel_error(*kv3, 2), Catch::Contains("3 KV heads neither split into nor are replicated evenly over 2"));
+  CHECK(tensor_parallel_error(*kv3, 3).empty());
+  CHECK(tensor_parallel_error(*kv3, 6).empty());  // each KV head on 2 ranks
   CHECK(tensor_parallel_error(*m, 1).empty());
   CHECK(tensor_parallel_error(*m, 3).empty());
   auto q4k = load("tests/fixtures/generated/llama_q4_k.gguf");  // 4 heads, 2 KV heads; O: 256 input columns, blocks of 256

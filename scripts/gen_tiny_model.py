@@ -123,6 +123,8 @@ PRESETS: dict[str, tuple[ModelSpec, bool]] = {
                                   seed=3), True),
     "llama_f32_hd64": (_spec(d_model=128, n_head=2, n_kv_head=2, head_dim=64, d_ff=160,
                              tied=False, seed=4), True),
+    # 6 heads over 3 KV heads: 2 tensor-parallel ranks neither split nor replicate the KV heads
+    "llama_f32_kv3": (_spec(d_model=96, n_head=6, n_kv_head=3, head_dim=16, seed=8), True),
     # key_length != d_model / n_head (q and o projections are not square)
     "llama_f32_keylen32": (_spec(n_head=4, n_kv_head=2, head_dim=32, seed=5), True),
     # rotary on the first 8 of 16 dims of each head (llama.cpp's llama graph refuses this)
