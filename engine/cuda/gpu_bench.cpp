@@ -1,6 +1,9 @@
 // troupe_gpu_bench: device figures for docs/perf.md, one line each, "name value unit".
 //
-//   troupe_gpu_bench [--arch llama-3-8b] [--context 512] [--steps 20] [--device 0]
+//   troupe_gpu_bench [--arch llama-3-8b] [--context 512] [--steps 20] [--device 0] [--decode-only B]
+//
+// --decode-only B: only the model and its decode steps at batch B (one line), for a profiler
+// (scripts/gpu-profile).
 //
 // - d2d_copy_bandwidth: cudaMemcpy of 2 GiB device to device, best of 5, counting bytes read
 //   plus bytes written (2 x 2 GiB per copy): the rate HBM sustains for a pure stream.
@@ -111,6 +114,7 @@ struct args {
   int context = 512;
   int steps = 20;
   int device = 0;
+  int decode_only = 0;  // > 0: only decode steps at this batch (for a profiler), no other figures
 };
 
 args parse(int argc, char** argv) {
@@ -123,7 +127,8 @@ args parse(int argc, char** argv) {
     else if (k == "--context") a.context = std::stoi(v);
     else if (k == "--steps") a.steps = std::stoi(v);
     else if (k == "--device") a.device = std::stoi(v);
-    else throw std::invalid_argument("unknown option " + k + " (--arch, --context, --steps, --device)");
+    else if (k == "--decode-only") a.decode_only = std::stoi(v);
+    else throw std::invalid_argument("unknown option " + k + " (--arch, --context, --steps, --device, --decode-only)");
   }
   if (a.context < a.steps + 4 || a.steps < 1) throw std::invalid_argument("--context must exceed --steps + 3, --steps >= 1");
   return a;
@@ -164,6 +169,17 @@ void run(const args& a) {
   ec::stream_handle stream;
   const cudaStream_t s = stream.get();
 
+  if (a.decode_only > 0) {  // a short run for a profiler: the model and its decode steps alone
+    ec::cuda_options o;
+    o.device = a.device;
+    o.weights.mode = ec::weights_mode::bf16;
+    o.max_seqs = a.decode_only;
+    o.max_context = a.context;
+    o.n_blocks = a.decode_only * kv_blocks_for(a.context, o.block_size);
+    auto f = ec::cuda_forward::synthetic(a.arch, o);
+    line("decode_b" + std::to_string(a.decode_only) + "_step", decode_step_time(*f, a.decode_only, a) * 1e3, "ms");
+    return;
+  }
   const double bw = copy_bandwidth(s);
   line("d2d_copy_bandwidth", bw / 1e9, "GB/s");
 

@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -28,13 +29,19 @@ constexpr int pf_threads = pf_warps * 32;
 constexpr int pf_tile_m = pf_warps * 16;
 constexpr int pf_tile_n = 64;
 
-// Decode: split KV only when it is long; each split keeps at least ~dec_kv_per_split positions,
-// and splits stop growing once the grid has about two waves of CTAs on a 132-SM H100.
+// Decode: split KV once a row is longer than dec_split_min_kv; each split keeps at least
+// ~dec_kv_per_split positions (two passes of the CTA's 32 positions in flight), and splits stop
+// growing once the grid has about dec_target_waves full waves of resident CTAs (so the last,
+// partial wave is a small part of the time: 512 CTAs on 132 SMs x 3 resident are 1.3 waves, half
+// of it at a third of the GPU). Small batches need the
+// splits most: one sequence of Llama-3-8B gives 8 CTAs, whose 512-position rows took 53 us per
+// layer on an H200 unsplit (a dependent load chain per pass, latency-bound), see docs/perf.md.
 constexpr int dec_threads = 128;
-constexpr int dec_split_min_kv = 512;
-constexpr int dec_kv_per_split = 256;
-constexpr int dec_target_ctas = 264;
-constexpr int dec_max_heads = 8;  // query heads per decode CTA (a larger GQA group takes more CTAs)
+constexpr int dec_split_min_kv = 64;
+constexpr int dec_kv_per_split = 64;
+constexpr int dec_target_waves = 4;
+constexpr int dec_max_heads = 8;
+constexpr int dec_stages = 2;  // cp.async stages of a decode CTA's K/V chunks  // query heads per decode CTA (a larger GQA group takes more CTAs)
 
 // Splits for a decode row with kv_len positions when at most cap are allowed. Host and device
 // must agree (the merge kernel recomputes it), hence one function.
@@ -333,9 +340,21 @@ __global__ void __launch_bounds__(dec_threads)
   constexpr int lpp = HD / 8;               // lanes per position
   constexpr int subs = dec_threads / lpp;   // positions in flight across the CTA per step
   constexpr int unroll = GT >= 8 ? 2 : 4;   // positions per lane group per step (loads in flight)
-  __shared__ float red_acc[subs][GT][HD];
-  __shared__ float red_m[subs][GT];
-  __shared__ float red_l[subs][GT];
+  // The next pass's K and V chunks are copied (cp.async) while this pass computes: two stages of
+  // each thread's own 16-byte chunks, so a thread waits only on its own copies. The merge at the
+  // end reuses the same shared memory.
+  union smem_t {
+    struct {
+      uint4 k[dec_stages][unroll][dec_threads];
+      uint4 v[dec_stages][unroll][dec_threads];
+    } buf;
+    struct {
+      float acc[subs][GT][HD];
+      float m[subs][GT];
+      float l[subs][GT];
+    } red;
+  };
+  __shared__ smem_t sm;
 
   const int seq = blockIdx.x;
   const int tok = st.q_start[seq];
@@ -381,19 +400,34 @@ __global__ void __launch_bounds__(dec_threads)
     for (int i = 0; i < 8; ++i) acc[h][i] = 0.0f;
   }
 
-  for (int p_base = p_begin; p_base < p_end; p_base += subs * unroll) {
+  // Copies of the pass at p_base into stage st, one commit group per pass (empty past the end).
+  const auto issue = [&](int p_base, int st) {
+#pragma unroll
+    for (int u = 0; u < unroll; ++u) {
+      const int p = p_base + u * subs + sub;
+      if (p < p_end) {
+        const fp16* src = kv.k_block(table[p / kv.block_size], layer) + (int64_t)(p % kv.block_size) * row_elems +
+                          kvh * HD + c * 8;
+        cp_async16(&sm.buf.k[st][u][threadIdx.x], src);
+        cp_async16(&sm.buf.v[st][u][threadIdx.x], src + v_offset);
+      }
+    }
+    cp_async_commit();
+  };
+  constexpr int pass = subs * unroll;
+  issue(p_begin, 0);
+  for (int p_base = p_begin, st = 0; p_base < p_end; p_base += pass, st ^= 1) {
+    issue(p_base + pass, st ^ 1);
+    cp_async_wait<1>();  // this pass's group is complete
     float kf[unroll][8], vf[unroll][8];
     bool ok[unroll];
 #pragma unroll
     for (int u = 0; u < unroll; ++u) {
-      const int p = p_base + u * subs + sub;
-      ok[u] = p < p_end;
-      uint4 kr = make_uint4(0, 0, 0, 0), vr = make_uint4(0, 0, 0, 0);
+      ok[u] = p_base + u * subs + sub < p_end;
+      uint4 kr = make_uint4(0, 0, 0, 0), vr = kr;
       if (ok[u]) {
-        const fp16* src = kv.k_block(table[p / kv.block_size], layer) + (int64_t)(p % kv.block_size) * row_elems +
-                          kvh * HD + c * 8;
-        kr = __ldg(reinterpret_cast<const uint4*>(src));
-        vr = __ldg(reinterpret_cast<const uint4*>(src + v_offset));
+        kr = sm.buf.k[st][u][threadIdx.x];
+        vr = sm.buf.v[st][u][threadIdx.x];
       }
       fp16x8_to_float(kr, kf[u]);
       fp16x8_to_float(vr, vf[u]);
@@ -429,27 +463,29 @@ __global__ void __launch_bounds__(dec_threads)
     }
   }
 
+  cp_async_wait<0>();
+  __syncthreads();  // every thread is done with the stages before they become the merge's
 #pragma unroll
   for (int h = 0; h < GT; ++h) {
     if (c == 0) {
-      red_m[sub][h] = m_run[h];
-      red_l[sub][h] = l_run[h];
+      sm.red.m[sub][h] = m_run[h];
+      sm.red.l[sub][h] = l_run[h];
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) red_acc[sub][h][c * 8 + i] = acc[h][i];
+    for (int i = 0; i < 8; ++i) sm.red.acc[sub][h][c * 8 + i] = acc[h][i];
   }
   __syncthreads();
 
   for (int idx = threadIdx.x; idx < n_h * HD; idx += dec_threads) {
     const int h = idx / HD, d = idx % HD;
     float m = -INFINITY;
-    for (int sb = 0; sb < subs; ++sb) m = fmaxf(m, red_m[sb][h]);
+    for (int sb = 0; sb < subs; ++sb) m = fmaxf(m, sm.red.m[sb][h]);
     float l = 0.0f, o = 0.0f;
     if (m != -INFINITY) {
       for (int sb = 0; sb < subs; ++sb) {
-        const float w = exp2f(red_m[sb][h] - m);
-        l = fmaf(red_l[sb][h], w, l);
-        o = fmaf(red_acc[sb][h][d], w, o);
+        const float w = exp2f(sm.red.m[sb][h] - m);
+        l = fmaf(sm.red.l[sb][h], w, l);
+        o = fmaf(sm.red.acc[sb][h][d], w, o);
       }
     }
     const float val = l > 0.0f ? o / l : 0.0f;
@@ -510,13 +546,32 @@ void launch_prefill(const bf16* q, const step_layout& st, const kv_cache_view& k
   check_launch("paged_attention prefill_kernel");
 }
 
+// CTAs of decode_kernel<HD, GT> resident at once on the current device (SMs x CTAs per SM),
+// asked once per device (the first decode step runs eagerly, before any graph capture) and kept.
+template <int HD, int GT>
+int decode_wave() {
+  static std::atomic<int> cache[64];
+  int dev = 0;
+  check(cudaGetDevice(&dev), "paged_attention: cudaGetDevice");
+  if (dev >= 0 && dev < 64)
+    if (const int c = cache[dev].load(std::memory_order_relaxed); c > 0) return c;
+  int sms = 0, per_sm = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "paged_attention: multiprocessor count");
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_kernel<HD, GT>, dec_threads, 0),
+        "paged_attention: decode occupancy");
+  const int wave = std::max(1, sms) * std::max(1, per_sm);
+  if (dev >= 0 && dev < 64) cache[dev].store(wave, std::memory_order_relaxed);
+  return wave;
+}
+
 template <int HD, int GT>
 void launch_decode(const bf16* q, const step_layout& st, const kv_cache_view& kv, int layer, int n_heads,
                    float scale_log2, bf16* out, const attention_scratch& scratch, cudaStream_t stream) {
   const int group = n_heads / kv.n_kv_heads;
   const int head_chunks = (group + GT - 1) / GT;
   const int base_ctas = st.n_seqs * kv.n_kv_heads * head_chunks;
-  const int cap = std::min(scratch.max_splits, std::max(1, (dec_target_ctas + base_ctas - 1) / base_ctas));
+  const int target = dec_target_waves * decode_wave<HD, GT>();
+  const int cap = std::min(scratch.max_splits, std::max(1, (target + base_ctas - 1) / base_ctas));
   const int n_split_max = decode_splits(st.max_kv_len, cap);
   const dim3 grid(st.n_seqs, kv.n_kv_heads * head_chunks, n_split_max);
   decode_kernel<HD, GT><<<grid, dec_threads, 0, stream>>>(q, st, kv, layer, n_heads, scale_log2, n_split_max, out,

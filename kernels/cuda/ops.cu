@@ -13,7 +13,7 @@ namespace {
 constexpr int row_threads = 256;    // per-row kernels: one block per row
 constexpr int flat_threads = 256;   // flat element-wise kernels
 constexpr int flat_max_blocks = 8192;
-constexpr int rope_threads = 128;   // one block per token row
+constexpr int rope_threads = 128;   // one block per (token row, head)
 
 bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
@@ -102,6 +102,19 @@ __device__ float block_sum(float v) {
   return warp_sum(v);
 }
 
+// RMSNorm rows: one pass of the row per thread where it fits (d_model 4096 at 4 values a thread
+// is 1024 threads), so a decode row's two passes and reduction are not 4 loop trips deep.
+int norm_threads(int n, int v) {
+  const int t = ((n + v - 1) / v + 31) / 32 * 32;
+  return t < 32 ? 32 : t > 1024 ? 1024 : t;
+}
+
+// SwiGLU: (CTAs across a row, rows); the y dimension is capped, the kernel loops over rows.
+dim3 swiglu_grid(int rows, int d_ff, int v) {
+  const int per_cta = row_threads * v;
+  return dim3((unsigned)((d_ff + per_cta - 1) / per_cta), (unsigned)(rows < 65535 ? rows : 65535));
+}
+
 int grid_for(int64_t n_items, int threads) {
   const int64_t blocks = (n_items + threads - 1) / threads;
   return int(blocks < 1 ? 1 : blocks > flat_max_blocks ? flat_max_blocks : blocks);
@@ -150,18 +163,22 @@ __global__ void add_rmsnorm_kernel(float* residual, const bf16* add, const float
   }
 }
 
+// Grid (chunks of the row, rows): at one row (decode, batch 1) the d_ff values spread over the
+// whole GPU instead of one CTA.
 template <int V>
-__global__ void swiglu_kernel(const bf16* gu, bf16* out, int d_ff) {
-  const bf16* gate = gu + int64_t(blockIdx.x) * 2 * d_ff;
-  const bf16* up = gate + d_ff;
-  bf16* dst = out + int64_t(blockIdx.x) * d_ff;
-  for (int i = threadIdx.x * V; i < d_ff; i += blockDim.x * V) {
-    float g[V], u[V];
-    load<V>(gate + i, g);
-    load<V>(up + i, u);
+__global__ void swiglu_kernel(const bf16* gu, bf16* out, int rows, int d_ff) {
+  for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+    const bf16* gate = gu + int64_t(r) * 2 * d_ff;
+    const bf16* up = gate + d_ff;
+    bf16* dst = out + int64_t(r) * d_ff;
+    for (int i = (blockIdx.x * blockDim.x + threadIdx.x) * V; i < d_ff; i += gridDim.x * blockDim.x * V) {
+      float g[V], u[V];
+      load<V>(gate + i, g);
+      load<V>(up + i, u);
 #pragma unroll
-    for (int k = 0; k < V; ++k) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
-    store<V>(dst + i, g);
+      for (int k = 0; k < V; ++k) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+      store<V>(dst + i, g);
+    }
   }
 }
 
@@ -212,13 +229,29 @@ void convert(const In* in, Out* out, int64_t n, cudaStream_t stream, const char*
 
 // ---- RoPE + KV write ---------------------------------------------------------------------------
 
-// One block per token row. Work items are pairs of dims of the Q and K heads: item j < n_rot/2
-// rotates the pair RoPE couples, later items copy two unrotated dims from [n_rot, head_dim).
+// Grid (token rows, Q heads + K heads + 1): a CTA rotates one Q or K head of one row (work item
+// j < n_rot/2 rotates the pair RoPE couples, later items copy two unrotated dims from
+// [n_rot, head_dim)); the last CTA of a row writes its V row. At one row (decode, batch 1) that
+// is 41 CTAs for Llama-3-8B instead of one.
 __global__ void rope_qkv_store_kernel(const bf16* qkv, const float* bq, const float* bk, const float* bv,
                                       rope_params rp, step_layout st, kv_cache_view kv, int layer, bf16* q_out) {
   extern __shared__ float cos_sin[];  // n_rot/2 (cos, sin) pairs for this row's position
-  const int t = blockIdx.x;
+  const int t = blockIdx.x, h = blockIdx.y;
   const int pos = st.token_pos[t];
+  const int hd = rp.head_dim, half_hd = hd / 2;
+  const int q_dim = rp.n_heads * hd, kv_dim = rp.n_kv_heads * hd;
+  const bf16* src = qkv + int64_t(t) * (q_dim + 2 * kv_dim);
+  const int32_t block = st.block_tables[st.bt_start[st.token_seq[t]] + pos / kv.block_size];
+  const int64_t slot_off = int64_t(pos % kv.block_size) * kv.row_elems();
+
+  if (h == rp.n_heads + rp.n_kv_heads) {  // the V row (uniform over the CTA: no barrier below)
+    fp16* v_dst = kv.v_block(block, layer) + slot_off;
+    const bf16* v_src = src + q_dim + kv_dim;
+    for (int i = threadIdx.x; i < kv_dim; i += blockDim.x)
+      v_dst[i] = __float2half_rn(__bfloat162float(v_src[i]) + (bv ? bv[i] : 0.0f));
+    return;
+  }
+
   const int half_rot = rp.n_rot / 2;
   // Double precision, as kernels::rope_cos_sin: theta reaches tens of thousands of radians.
   for (int i = threadIdx.x; i < half_rot; i += blockDim.x) {
@@ -231,23 +264,15 @@ __global__ void rope_qkv_store_kernel(const bf16* qkv, const float* bq, const fl
   }
   __syncthreads();
 
-  const int hd = rp.head_dim, half_hd = hd / 2;
-  const int q_dim = rp.n_heads * hd, kv_dim = rp.n_kv_heads * hd;
-  const bf16* src = qkv + int64_t(t) * (q_dim + 2 * kv_dim);
-  const int32_t block = st.block_tables[st.bt_start[st.token_seq[t]] + pos / kv.block_size];
-  const int64_t slot_off = int64_t(pos % kv.block_size) * kv.row_elems();
-  fp16* k_dst = kv.k_block(block, layer) + slot_off;
-  fp16* v_dst = kv.v_block(block, layer) + slot_off;
   const bool neox = rp.kind == rope_kind::neox;
-
-  for (int it = threadIdx.x; it < (rp.n_heads + rp.n_kv_heads) * half_hd; it += blockDim.x) {
-    const int h = it / half_hd, j = it % half_hd;
+  const int col = h * hd;  // Q heads then K heads are contiguous in the row
+  const float* bias = h < rp.n_heads ? bq : bk;
+  const int bcol = h < rp.n_heads ? col : col - q_dim;
+  fp16* k_dst = kv.k_block(block, layer) + slot_off;
+  for (int j = threadIdx.x; j < half_hd; j += blockDim.x) {
     const bool rotate = j < half_rot;
     const int a = rotate ? (neox ? j : 2 * j) : rp.n_rot + 2 * (j - half_rot);
     const int b = rotate ? (neox ? j + half_rot : 2 * j + 1) : a + 1;
-    const int col = h * hd;  // Q heads then K heads are contiguous in the row
-    const float* bias = h < rp.n_heads ? bq : bk;
-    const int bcol = h < rp.n_heads ? col : col - q_dim;
     float x0 = __bfloat162float(src[col + a]), x1 = __bfloat162float(src[col + b]);
     if (bias) x0 += bias[bcol + a], x1 += bias[bcol + b];
     if (rotate) {
@@ -264,9 +289,6 @@ __global__ void rope_qkv_store_kernel(const bf16* qkv, const float* bq, const fl
       k_dst[bcol + b] = __float2half_rn(x1);
     }
   }
-  const bf16* v_src = src + q_dim + kv_dim;
-  for (int i = threadIdx.x; i < kv_dim; i += blockDim.x)
-    v_dst[i] = __float2half_rn(__bfloat162float(v_src[i]) + (bv ? bv[i] : 0.0f));
 }
 
 }  // namespace
@@ -284,9 +306,9 @@ void add_rmsnorm(float* residual, const bf16* add, const float* w, bf16* y, int 
                  cudaStream_t stream) {
   if (rows <= 0 || n <= 0) return;
   if (n % 4 == 0 && aligned(residual, 16) && aligned(add, 8) && aligned(w, 16) && aligned(y, 8))
-    add_rmsnorm_kernel<4><<<rows, row_threads, 0, stream>>>(residual, add, w, y, n, eps);
+    add_rmsnorm_kernel<4><<<rows, norm_threads(n, 4), 0, stream>>>(residual, add, w, y, n, eps);
   else
-    add_rmsnorm_kernel<1><<<rows, row_threads, 0, stream>>>(residual, add, w, y, n, eps);
+    add_rmsnorm_kernel<1><<<rows, norm_threads(n, 1), 0, stream>>>(residual, add, w, y, n, eps);
   check_launch("add_rmsnorm");
 }
 
@@ -303,9 +325,9 @@ void add_residual(float* residual, const bf16* add, int rows, int n, cudaStream_
 void swiglu(const bf16* gu, bf16* out, int rows, int d_ff, cudaStream_t stream) {
   if (rows <= 0 || d_ff <= 0) return;
   if (d_ff % 8 == 0 && aligned(gu, 16) && aligned(out, 16))
-    swiglu_kernel<8><<<rows, row_threads, 0, stream>>>(gu, out, d_ff);
+    swiglu_kernel<8><<<swiglu_grid(rows, d_ff, 8), row_threads, 0, stream>>>(gu, out, rows, d_ff);
   else
-    swiglu_kernel<1><<<rows, row_threads, 0, stream>>>(gu, out, d_ff);
+    swiglu_kernel<1><<<swiglu_grid(rows, d_ff, 1), row_threads, 0, stream>>>(gu, out, rows, d_ff);
   check_launch("swiglu");
 }
 
@@ -323,7 +345,8 @@ void rope_qkv_store(const bf16* qkv, const float* bq, const float* bk, const flo
   if (rp.n_rot % 2 != 0 || rp.n_rot > rp.head_dim || rp.head_dim % 2 != 0)
     throw cuda_error("rope_qkv_store: n_rot and head_dim must be even with n_rot <= head_dim");
   const size_t smem = size_t(rp.n_rot) * sizeof(float);
-  rope_qkv_store_kernel<<<st.n_tokens, rope_threads, smem, stream>>>(qkv, bq, bk, bv, rp, st, kv, layer, q_out);
+  const dim3 grid(st.n_tokens, rp.n_heads + rp.n_kv_heads + 1);
+  rope_qkv_store_kernel<<<grid, rope_threads, smem, stream>>>(qkv, bq, bk, bv, rp, st, kv, layer, q_out);
   check_launch("rope_qkv_store");
 }
 
