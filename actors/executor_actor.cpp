@@ -15,6 +15,7 @@
 #include "actors/runtime.hpp"
 #include "engine/device_module.hpp"
 #include "engine/forward.hpp"
+#include "engine/json_grammar.hpp"
 #include "engine/split_forward.hpp"
 
 namespace troupe::actors {
@@ -167,6 +168,10 @@ struct executor_state {
   std::vector<engine::seq_chunk> chunks;
   // The tokens sampled by the last step, for decodes planned ahead (scheduler_core::ahead_token).
   std::unordered_map<uint64_t, engine::token_id> last_sampled;
+  // Structured output: the model's vocabulary as bytes, built at the first row with a grammar,
+  // and each such sequence's place in its grammar, kept from one step to the next.
+  std::unique_ptr<engine::vocab_index> vocab;
+  std::unordered_map<uint64_t, engine::grammar_cursor> grammars;
 };
 
 caf::error exception_error(std::exception_ptr& x) {
@@ -229,7 +234,7 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg, 
         // ahead (the scheduler has not seen it yet).
         std::vector<std::vector<engine::token_id>> fed_histories(n_rows);
         std::vector<std::span<const engine::token_id>> histories(n_rows);
-        bool logprobs = false;
+        bool logprobs = false, grammar = false;
         size_t window_tokens = 0;
         for (size_t i = 0; i < n_rows; ++i) {
           const sample_spec& sp = w.sampling[i];
@@ -240,9 +245,11 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg, 
             histories[i] = fed_histories[i];
           }
           logprobs = logprobs || sp.params->logprobs || sp.params->top_logprobs > 0;
+          grammar = grammar || sp.params->grammar != nullptr;
           window_tokens += engine::penalty_window(*sp.params, histories[i]).size();
         }
-        if (!logprobs && st->dev->samples_on_device(n_rows, window_tokens)) {
+        if (grammar && !st->vocab) st->vocab = std::make_unique<engine::vocab_index>(cfg.model->vocab());
+        if (!logprobs && !grammar && st->dev->samples_on_device(n_rows, window_tokens)) {
           std::vector<device_sample_row> rows;
           for (size_t i = 0; i < n_rows; ++i) {
             const sample_spec& sp = w.sampling[i];
@@ -252,13 +259,33 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg, 
           for (size_t i = 0; i < tokens.size(); ++i) out.tokens.push_back({w.sampling[i].seq, engine::sample_result{tokens[i], 0.0f, {}}});
         } else {
           const std::vector<float>& logits = st->dev->forward(st->chunks);
+          std::vector<uint64_t> grammar_seqs;
           const size_t n_vocab = (size_t)cfg.model->hparams().n_vocab;
           std::vector<float> row(n_vocab);
           for (size_t i = 0; i < n_rows; ++i) {
             const sample_spec& sp = w.sampling[i];
             std::copy_n(logits.begin() + (ptrdiff_t)(i * n_vocab), n_vocab, row.begin());
-            out.tokens.push_back({sp.seq, sample_on_host(row, *sp.params, sp.params->seed, sp.draw_index, histories[i])});
+            if (sp.params->grammar) {  // structured output: the text so far, plus the token fed ahead
+              std::vector<engine::token_id> output = sp.output;
+              if (auto f = fed.find(sp.seq); f != fed.end()) output.push_back(f->second);
+              engine::sampling_params p = *sp.params;
+              p.seed = mix_seed(p.seed, sp.draw_index);
+              p.has_seed = true;
+              auto c = st->grammars.find(sp.seq);
+              if (c == st->grammars.end() || c->second.grammar() != p.grammar.get())
+                c = st->grammars.insert_or_assign(sp.seq, engine::grammar_cursor(p.grammar, *st->vocab)).first;
+              out.tokens.push_back({sp.seq, engine::sample_constrained(row, histories[i], c->second, output, p)});
+              grammar_seqs.push_back(sp.seq);
+            } else {
+              out.tokens.push_back({sp.seq, sample_on_host(row, *sp.params, sp.params->seed, sp.draw_index, histories[i])});
+            }
           }
+          // Cursors live while their sequence is sampled every step; one that misses a step
+          // (finished, preempted) is dropped and replayed from its tokens if it comes back.
+          if (st->grammars.size() > grammar_seqs.size())
+            std::erase_if(st->grammars, [&](const auto& kv) {
+              return std::find(grammar_seqs.begin(), grammar_seqs.end(), kv.first) == grammar_seqs.end();
+            });
         }
         std::unordered_map<uint64_t, engine::token_id> sampled_now;
         for (const auto& t : out.tokens) sampled_now[t.seq] = t.r.token;

@@ -65,6 +65,7 @@ struct sample_spec {
   std::shared_ptr<const engine::sampling_params> params;
   uint64_t draw_index = 0;
   std::vector<engine::token_id> history;  // for penalties (empty when none are active)
+  std::vector<engine::token_id> output;   // generated so far, for a grammar (params->grammar) only
 };
 
 struct step_work {

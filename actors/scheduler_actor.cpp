@@ -155,8 +155,9 @@ void send_step(self_ptr self, step_plan plan) {
     // A decode planned ahead samples the draw after the step in flight's; the executor appends
     // the token it fed in to the history. (A request joining an ahead step is not one.)
     const bool fed = e.tokens.size() == 1 && e.tokens[0] == ahead_token;
-    sample_spec sp{e.seq, entry.sampling, (uint64_t)info->n_generated + (fed ? 1 : 0), {}};
+    sample_spec sp{e.seq, entry.sampling, (uint64_t)info->n_generated + (fed ? 1 : 0), {}, {}};
     if (entry.penalties) sp.history.assign(info->tokens.begin(), info->tokens.end());
+    if (entry.sampling->grammar) sp.output.assign(info->tokens.end() - info->n_generated, info->tokens.end());
     w.sampling.push_back(std::move(sp));
   }
   w.batch = std::move(plan.batch);

@@ -21,15 +21,58 @@
 
 #include "actors/engine_handle.hpp"
 #include "actors/scheduler_policy.hpp"
+#include "engine/json_grammar.hpp"
 #include "engine/sampling.hpp"
 
 namespace troupe::engine {
 
 template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, json_node::property& x) {
+  return f(caf::meta::type_name("json_property"), x.key, x.value, x.required);
+}
+
+// A grammar node without its tries (finalize() rebuilds them on arrival).
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, json_node& x) {
+  return f(caf::meta::type_name("json_node"), x.k, x.properties, x.additional, x.items, x.min_items, x.max_items, x.min_length,
+           x.max_length, x.integer, x.literals, x.branches);
+}
+
+// sampling_params::grammar travels as its nodes and root (root -1: no grammar).
+struct grammar_wire {
+  std::shared_ptr<const json_grammar>* g;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, grammar_wire& x) {
+  std::vector<json_node> nodes;
+  int32_t root = -1;
+  if constexpr (Inspector::reads_state) {
+    if (*x.g) {
+      nodes = (*x.g)->nodes();
+      root = (*x.g)->root();
+    }
+    return f(caf::meta::type_name("json_grammar"), nodes, root);
+  } else {
+    auto&& r = f(caf::meta::type_name("json_grammar"), nodes, root);
+    x.g->reset();
+    if (root >= 0) {
+      auto g = std::make_shared<json_grammar>(std::move(nodes), root);
+      // The sender finalized the same nodes; should they not check out here (a corrupt message),
+      // the constraint falls back to json_object's grammar rather than run unchecked.
+      if (g->finalize().empty()) *x.g = std::move(g);
+      else *x.g = json_grammar::any_object();
+    }
+    return r;
+  }
+}
+
+template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, sampling_params& x) {
+  grammar_wire g{&x.grammar};
   return f(caf::meta::type_name("sampling_params"), x.temperature, x.top_k, x.top_p, x.min_p, x.repetition_penalty,
            x.presence_penalty, x.frequency_penalty, x.penalty_last_n, x.seed, x.has_seed, x.top_logprobs, x.logprobs,
-           x.stop_tokens, x.stop, x.ignore_eos);
+           x.stop_tokens, x.stop, x.ignore_eos, g);
 }
 
 template <class Inspector>

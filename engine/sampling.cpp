@@ -1,5 +1,7 @@
 #include "engine/sampling.hpp"
 
+#include "engine/json_grammar.hpp"
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -350,7 +352,7 @@ int32_t sampler::draw_full(std::span<const float> logits, float l_max, float tem
   return int32_t(pick(weights_, block_sums_, next_unit() * adjusted));
 }
 
-sample_result sampler::sample(std::span<float> logits, std::span<const int32_t> history) {
+sample_result sampler::sample(std::span<float> logits, std::span<const int32_t> history, std::span<const uint64_t> allowed) {
   if (logits.empty()) throw std::invalid_argument("sampler::sample: empty logits");
   const size_t n = logits.size();
   sample_result out{};
@@ -369,6 +371,11 @@ sample_result sampler::sample(std::span<float> logits, std::span<const int32_t> 
   }
 
   apply_penalties(logits, history);
+  if (!allowed.empty()) {
+    if (allowed.size() * 64 < n) throw std::invalid_argument("sampler::sample: the allowed set is shorter than the logits");
+    for (size_t i = 0; i < n; ++i)
+      if (!((allowed[i >> 6] >> (i & 63)) & 1)) logits[i] = neg_inf;
+  }
 
   const size_t k = (p_.top_k > 0 && size_t(p_.top_k) < n) ? size_t(p_.top_k) : 0;
   if (p_.temperature == 0.0f || k == 1) {
@@ -491,6 +498,59 @@ std::string stop_matcher::flush() {
   std::string out;
   out.swap(held_);
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// structured output
+
+grammar_cursor::grammar_cursor(std::shared_ptr<const json_grammar> g, const vocab_index& v)
+    : g_(std::move(g)), v_(&v), m_(std::make_unique<json_matcher>(*g_, v)) {}
+grammar_cursor::~grammar_cursor() = default;
+grammar_cursor::grammar_cursor(grammar_cursor&&) noexcept = default;
+grammar_cursor& grammar_cursor::operator=(grammar_cursor&&) noexcept = default;
+
+bool grammar_cursor::sync(std::span<const int32_t> generated) {
+  if (fed_.size() > generated.size() || !std::equal(fed_.begin(), fed_.end(), generated.begin())) {
+    m_ = std::make_unique<json_matcher>(*g_, *v_);
+    fed_.clear();
+    ok_ = true;
+  }
+  for (size_t i = fed_.size(); i < generated.size(); ++i) {
+    fed_.push_back(generated[i]);
+    if (ok_ && !m_->advance_token(generated[i])) ok_ = false;
+  }
+  return ok_;
+}
+
+sample_result sample_constrained(std::span<float> logits, std::span<const int32_t> history, grammar_cursor& cursor,
+                                 std::span<const int32_t> generated, const sampling_params& p) {
+  const vocab_index& vocab = cursor.vocab();
+  const auto end_token = [&] {
+    sample_result r{};
+    for (int32_t id = 0; id < vocab.n_vocab(); ++id)
+      if (vocab.is_eog(id)) return r.token = id, r;
+    return r;
+  };
+  if (!cursor.sync(generated)) return end_token();
+  const json_matcher& m = cursor.matcher();
+  // The raw row for a second draw (the first one's penalties modify `logits`).
+  std::vector<float> raw(logits.begin(), logits.end());
+  sample_result first = sampler(p).sample(logits, history);
+  if (m.accepts_token(first.token)) return first;
+  std::vector<uint64_t> allowed;
+  if (m.allowed_tokens(allowed) == 0) return end_token();
+  sampling_params again = p;
+  again.seed = p.seed ^ 0x6a09e667f3bcc909ULL;  // a second, still reproducible, draw
+  sample_result r = sampler(again).sample(raw, history, allowed);
+  if (r.token < 0 || !((allowed[(size_t)r.token >> 6] >> (r.token & 63)) & 1)) {
+    // No allowed token had a finite logit: the first allowed one.
+    for (size_t w = 0; w < allowed.size(); ++w)
+      if (allowed[w]) {
+        r.token = (int32_t)(w * 64 + (size_t)std::countr_zero(allowed[w]));
+        break;
+      }
+  }
+  return r;
 }
 
 }  // namespace troupe::engine

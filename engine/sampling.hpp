@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <random>
 #include <span>
@@ -20,6 +21,10 @@
 #include <vector>
 
 namespace troupe::engine {
+
+class json_grammar;
+class vocab_index;
+class json_matcher;
 
 struct sampling_params {
   float temperature = 1.0f;        // 0: greedy (argmax)
@@ -37,6 +42,9 @@ struct sampling_params {
   std::vector<int32_t> stop_tokens;  // besides the model's end-of-generation tokens
   std::vector<std::string> stop;     // stop strings (not included in the output)
   bool ignore_eos = false;
+  /// Structured output (response_format): the tokens drawn must keep the text a prefix of a value
+  /// of this grammar, and the end of generation comes only once the value is complete. Null: free.
+  std::shared_ptr<const json_grammar> grammar;
 
   /// Empty when valid, else one sentence naming the bad field and its allowed range.
   std::string validate() const;
@@ -82,7 +90,9 @@ class sampler {
   /// generated) for the penalties; ids outside [0, n_vocab) in it are ignored.
   /// `logprob` and `top` are filled only when `params().logprobs` or `top_logprobs > 0`.
   /// Throws std::invalid_argument on empty logits.
-  sample_result sample(std::span<float> logits, std::span<const int32_t> history);
+  /// `allowed` (n_vocab bits, empty: all): only these tokens may be drawn (their logits are
+  /// masked after the penalties; log-probabilities stay those of the raw logits).
+  sample_result sample(std::span<float> logits, std::span<const int32_t> history, std::span<const uint64_t> allowed = {});
   const sampling_params& params() const { return p_; }
 
  private:
@@ -108,6 +118,38 @@ class sampler {
   std::vector<int32_t> window_;                      // scratch: sorted penalty window
   std::vector<std::pair<int32_t, float>> saved_;     // scratch: raw logits overwritten by penalties
 };
+
+/// One sequence's place in its grammar (sampling_params::grammar), kept across steps: sync()
+/// feeds the matcher only the tokens generated since the last call, or replays all of them when
+/// the history is not the one it followed (a preempted and recomputed sequence).
+class grammar_cursor {
+ public:
+  grammar_cursor(std::shared_ptr<const json_grammar> g, const vocab_index& v);
+  ~grammar_cursor();
+  grammar_cursor(grammar_cursor&&) noexcept;
+  grammar_cursor& operator=(grammar_cursor&&) noexcept;
+  /// False when `generated` leaves the grammar.
+  bool sync(std::span<const int32_t> generated);
+  const json_matcher& matcher() const { return *m_; }
+  const vocab_index& vocab() const { return *v_; }
+  const json_grammar* grammar() const { return g_.get(); }
+
+ private:
+  std::shared_ptr<const json_grammar> g_;
+  const vocab_index* v_;
+  std::unique_ptr<json_matcher> m_;
+  std::vector<int32_t> fed_;
+  bool ok_ = true;
+};
+
+/// Samples under the cursor's grammar after `generated` (the tokens generated so far): a token is
+/// drawn as sampler::sample would; when the grammar rejects it, it is drawn again from the allowed
+/// tokens only (llama.cpp's order: cheap while the model already follows the grammar; greedy
+/// takes the best allowed token either way). When no token is allowed (the history left the
+/// grammar, or a depth limit closes every way on), the first end-of-generation token. `logits`
+/// is scratch.
+sample_result sample_constrained(std::span<float> logits, std::span<const int32_t> history, grammar_cursor& cursor,
+                                 std::span<const int32_t> generated, const sampling_params& p);
 
 /// Limits enforced by `sampling_params::validate()`.
 inline constexpr int32_t max_top_logprobs = 20;

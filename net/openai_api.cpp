@@ -1,5 +1,7 @@
 #include "net/openai_api.hpp"
 
+#include "net/json_schema.hpp"
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -233,6 +235,36 @@ json api_context::models_list() const {
 
 // --- requests ----------------------------------------------------------------------------------
 
+// response_format: {"type": "text"}, {"type": "json_object"} (one JSON object; llama.cpp's
+// "schema" member beside it is honoured too) or {"type": "json_schema", "json_schema": {"name",
+// "schema", "strict"}}. Null for free text.
+static std::shared_ptr<const engine::json_grammar> parse_response_format(const json& body) {
+  const json* rf = field(body, "response_format");
+  if (!rf || rf->is_null()) return nullptr;
+  if (!rf->is_object()) throw bad_param("response_format", "'response_format' must be an object");
+  const json* type = field(*rf, "type");
+  if (!type || !type->is_string()) throw bad_param("response_format", "'response_format.type' must be \"text\", \"json_object\" or \"json_schema\"");
+  const std::string t = type->get<std::string>();
+  const json* schema = nullptr;
+  if (t == "text") return nullptr;
+  if (t == "json_object") {
+    schema = field(*rf, "schema");
+    if (!schema) return engine::json_grammar::any_object();
+  } else if (t == "json_schema") {
+    const json* js = field(*rf, "json_schema");
+    if (!js || !js->is_object()) throw bad_param("response_format", "'response_format.json_schema' must be an object with a 'schema'");
+    schema = field(*js, "schema");
+    if (!schema) throw bad_param("response_format", "'response_format.json_schema.schema' is missing");
+  } else {
+    throw bad_param("response_format", "'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", not \"" + t + "\"");
+  }
+  try {
+    return compile_json_schema(*schema);
+  } catch (const schema_error& e) {
+    throw bad_param("response_format", std::string("response_format schema: ") + e.what());
+  }
+}
+
 completion_request parse_completion(const json& body, endpoint kind, const api_context& ctx) {
   if (!body.is_object()) throw bad_param("", "the request body must be a JSON object");
   completion_request r;
@@ -266,6 +298,7 @@ completion_request parse_completion(const json& body, endpoint kind, const api_c
   }
   parse_stop(body, s);
   s.ignore_eos = get_bool(body, "ignore_eos").value_or(false);  // vLLM's extension
+  s.grammar = parse_response_format(body);
   if (chat) {
     r.logprobs = get_bool(body, "logprobs").value_or(false);
     if (auto v = get_int(body, "top_logprobs")) {

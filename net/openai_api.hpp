@@ -21,7 +21,7 @@ class tokenizer;
 
 namespace troupe::net {
 
-using json = nlohmann::json;
+using json = nlohmann::ordered_json;  // keeps members in order (a schema's properties, responses)
 
 /// An OpenAI error: `{"error": {"message", "type", "param", "code"}}` with an HTTP status.
 struct api_error {

@@ -101,7 +101,11 @@ def expect_routed_again(front, remote):
 
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
-           "In 1492, Columbus", "Water boils at"]
+           "In 1492, Columbus", "Water boils at", "A color, as JSON:"]
+# The last prompt's generation is held to a JSON schema: its grammar crosses the wire too.
+COLOR = {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+    "type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "shade": {"type": "integer"}},
+    "required": ["color", "shade"]}}}
 
 
 def bodies():
@@ -114,6 +118,8 @@ def bodies():
             b.update(temperature=0.9, top_p=0.95, seed=1000 + i, logprobs=2, frequency_penalty=0.3)
         else:
             b.update(temperature=0, stop=["\n\n"], presence_penalty=0.5)
+        if p == PROMPTS[-1]:
+            b = {"prompt": p, "max_tokens": 40, "temperature": 0.9, "seed": 7, "response_format": COLOR}
         out.append(b)
     return out
 
@@ -148,6 +154,7 @@ def test_generations_spread_over_replicas_equal_one_process(replica_and_front):
         st, r = request(rhttp, "POST", "/v1/completions", b)
         assert st == 200, r
         ref.append(r["choices"][0])
+    assert json.loads(ref[-1]["text"])["color"] in ("red", "green", "blue")
     steps_before = metrics(rhttp)['troupe_scheduler_steps_total{model="default"}']
     routed_before = replica_series(front, "troupe_replica_routed_total", remote)
 

@@ -1,0 +1,189 @@
+"""Structured output (`response_format`) through `troupe serve`, checked with the official `openai`
+client and the `jsonschema` package as the independent validator.
+
+Sampling at temperature 1 over several seeds makes the small default model wander far from what
+it would write greedily, so the outputs exercise the grammar's masks rather than the model's
+habits. One server for the module.
+"""
+
+import http.client
+import json
+import pathlib
+
+import pytest
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+
+from serve_util import MODEL, TROUPE, running_server  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not (pathlib.Path(TROUPE).exists() and MODEL.exists()),
+                                reason="needs build/troupe and models/default.gguf")
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer"},
+        "email": {"type": ["string", "null"], "maxLength": 20},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "scores": {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}, "zip": {"type": "string", "maxLength": 6}},
+            "required": ["city"],
+        },
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "scores"],
+}
+
+TREE = {
+    "$ref": "#/$defs/node",
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {
+                "label": {"type": "string", "maxLength": 8},
+                "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+            },
+            "required": ["label", "children"],
+        }
+    },
+}
+
+MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+def request(port, body, path="/v1/chat/completions"):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    raw = resp.read()
+    conn.close()
+    return resp.status, json.loads(raw) if raw else None
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as (port, proc):
+        yield port, proc
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server[0]}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def schema_format(schema, name="out"):
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+# The tree nests as deep as the model likes (each node may hold two more), so more of its runs end
+# at max_tokens.
+@pytest.mark.parametrize("schema, seeds, max_tokens, at_least", [(PERSON, 6, 300, 4), (TREE, 4, 400, 2)],
+                         ids=["person", "tree"])
+def test_sampled_outputs_validate(client, schema, seeds, max_tokens, at_least):
+    finished = 0
+    for seed in range(seeds):
+        r = client.chat.completions.create(model="default", messages=MESSAGES, temperature=1.0, seed=seed,
+                                           max_tokens=max_tokens, response_format=schema_format(schema))
+        choice = r.choices[0]
+        if choice.finish_reason == "length":  # cut by max_tokens: a prefix, checked no further
+            continue
+        assert choice.finish_reason == "stop"
+        doc = json.loads(choice.message.content)
+        jsonschema.validate(doc, schema)
+        finished += 1
+    assert finished >= at_least
+
+
+def test_greedy_output_validates_and_repeats(client):
+    outs = [client.chat.completions.create(model="default", messages=MESSAGES, temperature=0, max_tokens=300,
+                                           response_format=schema_format(PERSON)).choices[0].message.content
+            for _ in range(2)]
+    assert outs[0] == outs[1]
+    jsonschema.validate(json.loads(outs[0]), PERSON)
+
+
+def test_json_object_mode(client):
+    for seed in range(3):
+        r = client.chat.completions.create(model="default", messages=MESSAGES, temperature=1.0, seed=seed,
+                                           max_tokens=200, response_format={"type": "json_object"})
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_streamed_output_validates(client):
+    stream = client.chat.completions.create(model="default", messages=MESSAGES, temperature=0.8, seed=3,
+                                            max_tokens=300, stream=True, response_format=schema_format(PERSON))
+    text, reason = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            reason = chunk.choices[0].finish_reason or reason
+    assert reason == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_completions_endpoint_takes_response_format(server):
+    st, body = request(server[0], {"model": "default", "prompt": "Here is a color:", "max_tokens": 40,
+                                   "temperature": 0.7, "seed": 1,
+                                   "response_format": schema_format({"enum": ["red", "green", "blue"]})},
+                       path="/v1/completions")
+    assert st == 200, body
+    assert json.loads(body["choices"][0]["text"]) in ("red", "green", "blue")
+
+
+@pytest.mark.parametrize("fmt, word", [
+    ({"type": "xml"}, "xml"),
+    ("json", "response_format"),
+    ({"type": "json_schema"}, "json_schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema"),
+    (schema_format({"type": "string", "pattern": "^a+$"}), "pattern"),
+    (schema_format({"type": "string", "format": "email"}), "format"),
+    (schema_format({"type": "integer", "minimum": 0}), "minimum"),
+    (schema_format({"type": "array", "minItems": 3, "maxItems": 1}), "minItems"),
+    (schema_format({"$ref": "#/$defs/nothing"}), "#/$defs/nothing"),
+    (schema_format({"type": "object", "required": ["a"]}), "'a'"),
+    (schema_format({"anyOf": [{"$ref": "#"}]}), "anyOf"),
+])
+def test_bad_response_format_is_a_400_naming_it(server, client, fmt, word):
+    st, body = request(server[0], {"model": "default", "messages": MESSAGES, "max_tokens": 4, "response_format": fmt})
+    assert st == 400, body
+    assert body["error"]["param"] == "response_format"
+    assert word in body["error"]["message"]
+    # and the server goes on serving
+    r = client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=2, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_logprobs_with_a_schema(client):
+    r = client.chat.completions.create(model="default", messages=MESSAGES, temperature=0, max_tokens=300,
+                                       logprobs=True, top_logprobs=2, response_format=schema_format(PERSON))
+    content = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(content), PERSON)
+    assert "".join(t.token for t in r.choices[0].logprobs.content) == content
+
+
+def test_websocket_generation_follows_the_schema(server):
+    websockets = pytest.importorskip("websockets")
+    from websockets.sync.client import connect
+    with connect(f"ws://127.0.0.1:{server[0]}/v1/ws") as ws:
+        ws.send(json.dumps({"type": "generate", "id": "s", "messages": MESSAGES, "max_tokens": 300,
+                            "temperature": 0.9, "seed": 4, "response_format": schema_format(PERSON)}))
+        ws.send(json.dumps({"type": "generate", "id": "bad", "prompt": "x", "max_tokens": 4,
+                            "response_format": schema_format({"type": "string", "pattern": "a"})}))
+        text, final, bad = "", None, None
+        while final is None or bad is None:
+            m = json.loads(ws.recv(timeout=120))
+            if m.get("id") == "bad":
+                bad = m
+            elif m["type"] == "token":
+                text += m["text"]
+            elif m["type"] == "done":
+                final = m
+    assert bad["type"] == "error" and "pattern" in bad["message"]
+    assert final["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
