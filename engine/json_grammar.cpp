@@ -170,6 +170,23 @@ std::shared_ptr<const json_grammar> json_grammar::any_object() {
 
 namespace {
 
+// A UTF-8 lead byte c >= 0x80: the continuation bytes that follow (more) and the range of the first
+// of them ([lo, hi]; the later ones are 80-BF), refusing overlongs, surrogates and > U+10FFFF.
+// False for a byte that cannot lead.
+bool utf8_lead(uint8_t c, uint32_t& more, uint32_t& lo, uint32_t& hi) {
+  lo = 0x80, hi = 0xbf;
+  if (c >= 0xc2 && c <= 0xdf) more = 1;
+  else if (c == 0xe0) more = 2, lo = 0xa0;
+  else if (c >= 0xe1 && c <= 0xec) more = 2;
+  else if (c == 0xed) more = 2, hi = 0x9f;
+  else if (c >= 0xee && c <= 0xef) more = 2;
+  else if (c == 0xf0) more = 3, lo = 0x90;
+  else if (c >= 0xf1 && c <= 0xf3) more = 3;
+  else if (c == 0xf4) more = 3, hi = 0x8f;
+  else return false;
+  return true;
+}
+
 // Code points of `s` when every byte is a JSON string character that needs no escape and the
 // UTF-8 is whole and valid; -1 otherwise.
 int64_t plain_length(std::string_view s) {
@@ -180,19 +197,10 @@ int64_t plain_length(std::string_view s) {
       if (c < 0x20 || c == '"' || c == '\\' || c == 0x7f) return -1;
       ++i;
     } else {
-      int more;
-      uint8_t lo = 0x80, hi = 0xbf;
-      if (c >= 0xc2 && c <= 0xdf) more = 1;
-      else if (c == 0xe0) more = 2, lo = 0xa0;
-      else if (c >= 0xe1 && c <= 0xec) more = 2;
-      else if (c == 0xed) more = 2, hi = 0x9f;
-      else if (c >= 0xee && c <= 0xef) more = 2;
-      else if (c == 0xf0) more = 3, lo = 0x90;
-      else if (c >= 0xf1 && c <= 0xf3) more = 3;
-      else if (c == 0xf4) more = 3, hi = 0x8f;
-      else return -1;
+      uint32_t more, lo, hi;
+      if (!utf8_lead(c, more, lo, hi)) return -1;
       if (i + (size_t)more >= s.size()) return -1;  // the sequence goes on in the next token
-      for (int k = 1; k <= more; ++k) {
+      for (uint32_t k = 1; k <= more; ++k) {
         const auto d = (uint8_t)s[i + (size_t)k];
         if (d < lo || d > hi) return -1;
         lo = 0x80, hi = 0xbf;
@@ -669,17 +677,8 @@ void json_matcher::step_alt(state& out, uint32_t ai, uint8_t c, int fuel) const 
           ++f.count;
           return;
         }
-        uint32_t more;
-        uint32_t lo = 0x80, hi = 0xbf;
-        if (c >= 0xc2 && c <= 0xdf) more = 1;
-        else if (c == 0xe0) more = 2, lo = 0xa0;
-        else if (c >= 0xe1 && c <= 0xec) more = 2;
-        else if (c == 0xed) more = 2, hi = 0x9f;
-        else if (c >= 0xee && c <= 0xef) more = 2;
-        else if (c == 0xf0) more = 3, lo = 0x90;
-        else if (c >= 0xf1 && c <= 0xf3) more = 3;
-        else if (c == 0xf4) more = 3, hi = 0x8f;
-        else return kill();
+        uint32_t more, lo, hi;
+        if (!utf8_lead(c, more, lo, hi)) return kill();
         f.t = (int32_t)(more | (lo << 8) | (hi << 16));
         return;
       }
