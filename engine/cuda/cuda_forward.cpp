@@ -350,6 +350,8 @@ void cuda_forward::stage_sampling(plan& p, std::span<const kc::sample_row_params
 void cuda_forward::linear(const dev_matrix& w, const bf16* x, bf16* y, int rows, cudaStream_t s) {
   if (w.raw && rows <= gemv_max_batch) {
     kc::gemv_quant(w.qt, w.raw, w.n_out, w.n_in, x, y, rows, s);
+  } else if (w.w && opt_.bf16_gemv && rows <= gemv_max_batch && w.n_in % 8 == 0) {
+    kc::gemv_bf16(w.w, w.n_out, w.n_in, x, y, rows, s);
   } else if (w.w) {
     gemm_.run(x, w.w, y, gemm_out::bf16, rows, (int)w.n_out, (int)w.n_in, s);
   } else {

@@ -65,6 +65,9 @@ struct cuda_options {
   /// Flash-decoding splits for decode rows (0: none).
   int attention_splits = 16;
   bool use_graphs = true;
+  /// Batches of at most gemv_max_batch rows multiply bf16 weights with kernels::cuda::gemv_bf16
+  /// instead of cuBLASLt. Off until measured faster on a GPU (troupe_gpu_bench reports both).
+  bool bf16_gemv = false;
   /// Longest wait for the device before cuda_error.
   std::chrono::milliseconds sync_timeout{120000};
   /// Seed of synthetic weights.

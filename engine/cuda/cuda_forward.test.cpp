@@ -133,13 +133,14 @@ TEST_CASE("CUDA forward: default model logits match the CPU over a prefill and 8
 }
 
 TEST_CASE("CUDA forward: generated models (quantized GEMV decode, qwen2 biases and neox rope, f32)", "[cuda]") {
-  for (const char* name : {"llama_q4_k", "qwen2_q6_k_gqa4", "llama_f32_hd64", "llama_q4_k_bf16"}) {
-    const bool bf16_mode = std::string(name) == "llama_q4_k_bf16";
+  for (const char* name : {"llama_q4_k", "qwen2_q6_k_gqa4", "llama_f32_hd64", "llama_q4_k_bf16", "llama_q4_k_bf16_gemv"}) {
+    const bool bf16_mode = std::string(name).starts_with("llama_q4_k_bf16");
     const auto m = load_model(std::string("tests/fixtures/generated/") + (bf16_mode ? "llama_q4_k" : name) + ".gguf");
     if (!m) continue;
     SECTION(name) {
       ec::cuda_options o = small_options(64);
       if (bf16_mode) o.weights.mode = ec::weights_mode::bf16;
+      o.bf16_gemv = std::string(name).ends_with("_gemv");  // decode steps through gemv_bf16
       compare_with_cpu(*m, o, 5e-2);
     }
   }

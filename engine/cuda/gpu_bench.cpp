@@ -9,12 +9,14 @@
 //   plus bytes written (2 x 2 GiB per copy): the rate HBM sustains for a pure stream.
 // - gemm_*: cuBLASLt bf16 GEMM (fp32 accumulate) at 8192^3 and at the prefill shapes of the
 //   architecture (2048 token rows times each fused weight matrix), mean of 20 after 3 warm-ups.
-// - decode_b{1,64,256}: synthetic weights of the architecture, every sequence at a context that
+// - decode_b{1,8,64,256}: synthetic weights of the architecture, every sequence at a context that
 //   ends at --context, one token per sequence per step through forward_sample (greedy, on the
 //   device), host wall time per step (graph replay; b1 also eager). roofline: weight bytes plus
 //   KV bytes read per step, over the measured copy bandwidth (read + write counted once each).
 //   decode_b*_gemm_only_step: the step's weight GEMMs alone (cuBLASLt, weights not in L2), and
 //   their share of the step: the rest is attention, norms, RoPE, sampling and launch gaps.
+// - decode_b{1,8}_gemv_*: the same steps with cuda_options::bf16_gemv (gemv_bf16 for the layers'
+//   weights instead of cuBLASLt).
 // - prefill_2048: one 2048-token chunk, best of 3; FLOPs = 2 * layer params * tokens + 2 * head
 //   params (one logits row) + causal attention 4 * n_heads * head_dim * T(T+1)/2 per layer.
 #include <algorithm>
@@ -215,16 +217,19 @@ void run(const args& a) {
   line("weight_bytes", weight_bytes / 1e9, "GB");
   const double kv_bytes_per_pos = (double)f->kv().block_bytes() / bs;
 
+  // Weight and KV bytes of a step over the copy rate; the average context over the timed steps is
+  // about a.context - steps / 2.
+  const auto roofline_of = [&](int batch) {
+    return (weight_bytes + (double)batch * (a.context - a.steps / 2.0) * kv_bytes_per_pos) / bw;
+  };
   ec::gemm_runner decode_gemms;
-  for (int batch : {1, 64, 256}) {
+  for (int batch : {1, 8, 64, 256}) {
     const std::string b = "decode_b" + std::to_string(batch);
     const double t = decode_step_time(*f, batch, a);
     const double t_gemm = decode_gemm_time(decode_gemms, s, hp, batch);
     line(b + "_gemm_only_step", t_gemm * 1e3, "ms");
     line(b + "_gemm_share", t_gemm / t, "x");
-    // Average context over the timed steps is about a.context - steps / 2.
-    const double kv_read = (double)batch * (a.context - a.steps / 2.0) * kv_bytes_per_pos;
-    const double roofline = (weight_bytes + kv_read) / bw;
+    const double roofline = roofline_of(batch);
     line(b + "_step", t * 1e3, "ms");
     line(b + "_tokens_per_s", batch / t, "tok/s");
     line(b + "_roofline_step", roofline * 1e3, "ms");
@@ -240,6 +245,18 @@ void run(const args& a) {
     auto e = ec::cuda_forward::synthetic(a.arch, eo);
     line("decode_b1_eager_step", decode_step_time(*e, 1, a) * 1e3, "ms");
     e.reset();
+    // Small batches through gemv_bf16 instead of cuBLASLt (cuda_options::bf16_gemv).
+    ec::cuda_options go = o;
+    go.bf16_gemv = true;
+    auto gm = ec::cuda_forward::synthetic(a.arch, go);
+    for (int batch : {1, 8}) {
+      const std::string b = "decode_b" + std::to_string(batch) + "_gemv";
+      const double t = decode_step_time(*gm, batch, a);
+      line(b + "_step", t * 1e3, "ms");
+      line(b + "_tokens_per_s", batch / t, "tok/s");
+      line(b + "_time_over_roofline", t / roofline_of(batch), "x");
+    }
+    gm.reset();
     f = ec::cuda_forward::synthetic(a.arch, o);
   }
 

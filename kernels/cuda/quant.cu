@@ -184,6 +184,64 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_kernel(const uint8_t* __
   }
 }
 
+// bf16 weights, batch B <= 8: the cuBLASLt path at M = 1 read the small projections (qkv, o) at
+// 67-72% of the copy rate on an H200 (docs/perf.md §4). One warp per output row, each lane 16-byte
+// loads of 8 weights, gemv_bf16_unroll of them in flight before the first is used; the
+// activations (a few KB, shared by every warp) come through L1.
+constexpr int gemv_bf16_unroll = 4;
+
+__device__ __forceinline__ void bf16x8(const uint4& raw, float (&f)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 v = __bfloat1622float2(h[i]);
+    f[2 * i] = v.x;
+    f[2 * i + 1] = v.y;
+  }
+}
+
+template <int B>
+__device__ __forceinline__ void gemv_bf16_acc(const uint4& wr, const bf16* __restrict__ x, int64_t n_in, int64_t v,
+                                              float (&acc)[B]) {
+  float wf[8];
+  bf16x8(wr, wf);
+#pragma unroll
+  for (int b = 0; b < B; ++b) {
+    float xf[8];
+    bf16x8(__ldg(reinterpret_cast<const uint4*>(x + b * n_in) + v), xf);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[b] = fmaf(wf[k], xf[k], acc[b]);
+  }
+}
+
+template <int B>
+__global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_kernel(const bf16* __restrict__ w, int64_t n_out, int64_t n_in,
+                                                                    const bf16* __restrict__ x, bf16* __restrict__ y) {
+  const int lane = threadIdx.x & 31;
+  const int64_t o = int64_t(blockIdx.x) * gemv_warps + (threadIdx.x >> 5);
+  if (o >= n_out) return;  // whole warps leave together
+  const uint4* row = reinterpret_cast<const uint4*>(w + o * n_in);
+  const int64_t n_vec = n_in / 8;
+  float acc[B];
+#pragma unroll
+  for (int b = 0; b < B; ++b) acc[b] = 0.0f;
+  constexpr int U = gemv_bf16_unroll;
+  int64_t v = lane;
+  for (; v + 32 * (U - 1) < n_vec; v += 32 * U) {
+    uint4 wr[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) wr[u] = __ldcs(row + v + 32 * u);  // read once: streamed past the caches
+#pragma unroll
+    for (int u = 0; u < U; ++u) gemv_bf16_acc<B>(wr[u], x, n_in, v + 32 * u, acc);
+  }
+  for (; v < n_vec; v += 32) gemv_bf16_acc<B>(__ldcs(row + v), x, n_in, v, acc);
+#pragma unroll
+  for (int b = 0; b < B; ++b) {
+    const float s = warp_sum(acc[b]);
+    if (lane == b) y[b * n_out + o] = __float2bfloat16_rn(s);
+  }
+}
+
 template <quant_type T>
 __global__ void dequant_kernel(const uint8_t* __restrict__ w, int64_t n_units, bf16* __restrict__ out) {
   using L = layout<T>;
@@ -233,6 +291,22 @@ void check_args(quant_type t, const void* w, int64_t n, const char* name) {
 }
 
 }  // namespace
+
+void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream) {
+  if (batch < 1 || batch > max_batch) throw cuda_error("gemv_bf16: batch must be in [1, 8]");
+  if (n_in % 8 != 0) throw cuda_error("gemv_bf16: n_in must be a multiple of 8");
+  if (!aligned(w, 16) || !aligned(x, 16)) throw cuda_error("gemv_bf16: w and x must be 16-byte aligned");
+  if (n_out <= 0 || n_in <= 0) return;
+  const auto blocks = unsigned((n_out + gemv_warps - 1) / gemv_warps);
+  switch (batch) {
+#define TROUPE_GEMV_BF16(B) \
+  case B: gemv_bf16_kernel<B><<<blocks, gemv_warps * 32, 0, stream>>>(w, n_out, n_in, x, y); break;
+    TROUPE_GEMV_BF16(1) TROUPE_GEMV_BF16(2) TROUPE_GEMV_BF16(3) TROUPE_GEMV_BF16(4)
+    TROUPE_GEMV_BF16(5) TROUPE_GEMV_BF16(6) TROUPE_GEMV_BF16(7) TROUPE_GEMV_BF16(8)
+#undef TROUPE_GEMV_BF16
+  }
+  check_launch("gemv_bf16");
+}
 
 void gemv_quant(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch,
                 cudaStream_t stream) {

@@ -82,6 +82,36 @@ TEST_CASE("gemv_quant matches dequantized weights times bf16 activations", "[cud
   }
 }
 
+TEST_CASE("gemv_bf16 matches bf16 weights times bf16 activations", "[cuda]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 g(seed);
+  for (const int64_t n_out : {int64_t{1003}, int64_t{3}}) {   // 3: fewer rows than one thread block
+    for (const int64_t n_in : {int64_t{4096}, int64_t{1032}, int64_t{8}}) {  // 1032, 8: the loop's ragged tail
+      const auto w = round_bf16(random_floats(size_t(n_out * n_in), g));
+      dev_buf<bf16> d_w(to_bf16(w));
+      for (const int batch : {1, 3, 8}) {
+        const auto x = round_bf16(random_floats(size_t(batch * n_in), g));
+        dev_buf<bf16> d_x(to_bf16(x)), d_y(size_t(batch * n_out));
+        d_y.poison();
+        gemv_bf16(d_w.p, n_out, n_in, d_x.p, d_y.p, batch, nullptr);
+        std::vector<float> want(size_t(batch * n_out));
+        for (int b = 0; b < batch; ++b)
+          for (int64_t o = 0; o < n_out; ++o) {
+            double s = 0.0;
+            for (int64_t i = 0; i < n_in; ++i) s += double(w[size_t(o * n_in + i)]) * x[size_t(b * n_in + i)];
+            want[size_t(b * n_out + o)] = float(s);
+          }
+        INFO("n_out " << n_out << " n_in " << n_in << " batch " << batch);
+        CHECK(normalized_error(from_bf16(d_y.download()), want) <= 1e-2);
+      }
+    }
+  }
+  dev_buf<bf16> w(size_t(64)), x(size_t(9 * 16)), y(size_t(9 * 4));
+  CHECK_THROWS_AS(gemv_bf16(w.p, 4, 16, x.p, y.p, 9, nullptr), cuda_error);  // batch > 8
+  CHECK_THROWS_AS(gemv_bf16(w.p, 4, 12, x.p, y.p, 1, nullptr), cuda_error);  // n_in % 8
+}
+
 TEST_CASE("gemv_quant rejects bad batch sizes and lengths", "[cuda]") {
   dev_buf<uint8_t> w(size_t(34 * 4));
   dev_buf<bf16> x(size_t(9 * 64)), y(size_t(9 * 2));
