@@ -66,7 +66,9 @@ struct cuda_options {
   int attention_splits = 16;
   bool use_graphs = true;
   /// Batches of at most gemv_max_batch rows multiply bf16 weights with kernels::cuda::gemv_bf16
-  /// instead of cuBLASLt. Off until measured faster on a GPU (troupe_gpu_bench reports both).
+  /// instead of cuBLASLt. Off: on an H200 (Llama-3-8B shapes, docs/perf.md §4) it made a batch-1
+  /// decode step 3% faster (4.76 vs 4.90 ms) but batch 8 1.8x slower (9.8 vs 5.3 ms);
+  /// troupe_gpu_bench reports both.
   bool bf16_gemv = false;
   /// Longest wait for the device before cuda_error.
   std::chrono::milliseconds sync_timeout{120000};
