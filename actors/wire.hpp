@@ -38,7 +38,7 @@ typename Inspector::result_type inspect(Inspector& f, json_node& x) {
            x.max_length, x.integer, x.literals, x.branches);
 }
 
-// sampling_params::grammar travels as its nodes and root (root -1: no grammar).
+// sampling_params::grammar travels as its nodes, root and bare flag (root -1: no grammar).
 struct grammar_wire {
   std::shared_ptr<const json_grammar>* g;
 };
@@ -47,17 +47,19 @@ template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, grammar_wire& x) {
   std::vector<json_node> nodes;
   int32_t root = -1;
+  bool bare = false;
   if constexpr (Inspector::reads_state) {
     if (*x.g) {
       nodes = (*x.g)->nodes();
       root = (*x.g)->root();
+      bare = (*x.g)->bare();
     }
-    return f(caf::meta::type_name("json_grammar"), nodes, root);
+    return f(caf::meta::type_name("json_grammar"), nodes, root, bare);
   } else {
-    auto&& r = f(caf::meta::type_name("json_grammar"), nodes, root);
+    auto&& r = f(caf::meta::type_name("json_grammar"), nodes, root, bare);
     x.g->reset();
     if (root >= 0) {
-      auto g = std::make_shared<json_grammar>(std::move(nodes), root);
+      auto g = std::make_shared<json_grammar>(std::move(nodes), root, bare);
       // The sender finalized the same nodes; should they not check out here (a corrupt message),
       // the constraint falls back to json_object's grammar rather than run unchecked.
       if (g->finalize().empty()) *x.g = std::move(g);

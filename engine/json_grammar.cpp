@@ -409,7 +409,7 @@ void json_matcher::step_alt(state& out, uint32_t ai, uint8_t c, int fuel) const 
   for (int guard = 0; guard < 4 * kMaxDepth + 8; ++guard) {
     alt_header& h = out.alts[ai];
     if (h.size == 0) {  // the root value is complete: trailing whitespace only
-      if (!take_ws(h.ws, c)) kill();
+      if (g_->bare() || !take_ws(h.ws, c)) kill();
       return;
     }
     frame& f = out.frames[h.begin + h.size - 1];
@@ -419,7 +419,7 @@ void json_matcher::step_alt(state& out, uint32_t ai, uint8_t c, int fuel) const 
     switch (f.phase) {
       case start: {
         if (ws) {
-          if (!take_ws(h.ws, c)) kill();
+          if ((g_->bare() && h.size == 1) || !take_ws(h.ws, c)) kill();
           return;
         }
         switch (x.k) {

@@ -101,6 +101,10 @@ class json_grammar {
   int32_t size() const { return (int32_t)nodes_.size(); }
   void set_root(int32_t r) { root_ = r; }
   int32_t root() const { return root_; }
+  /// No whitespace before or after the root value (vLLM's guided_choice: the text is exactly one
+  /// of the choices); JSON whitespace inside it is unchanged.
+  void set_bare(bool b) { bare_ = b; }
+  bool bare() const { return bare_; }
 
   /// Checks every reference and bound, builds the tries. Empty when valid, else the reason
   /// (e.g. an any-of cycle, an object of more than 64 properties, no value satisfies a node).
@@ -112,11 +116,13 @@ class json_grammar {
   /// The nodes as added (with the built-in ones), for the wire: json_grammar(nodes, root) and
   /// finalize() rebuild the same grammar.
   const std::vector<json_node>& nodes() const { return nodes_; }
-  json_grammar(std::vector<json_node> nodes, int32_t root) : nodes_(std::move(nodes)), root_(root) {}
+  json_grammar(std::vector<json_node> nodes, int32_t root, bool bare = false)
+      : nodes_(std::move(nodes)), root_(root), bare_(bare) {}
 
  private:
   std::vector<json_node> nodes_;
   int32_t root_ = any_object_node;
+  bool bare_ = false;
 };
 
 /// The vocabulary as bytes: what each token emits, and the tries the matcher walks.

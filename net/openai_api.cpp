@@ -235,34 +235,78 @@ json api_context::models_list() const {
 
 // --- requests ----------------------------------------------------------------------------------
 
-// response_format: {"type": "text"}, {"type": "json_object"} (one JSON object; llama.cpp's
-// "schema" member beside it is honoured too) or {"type": "json_schema", "json_schema": {"name",
-// "schema", "strict"}}. Null for free text.
-static std::shared_ptr<const engine::json_grammar> parse_response_format(const json& body) {
-  const json* rf = field(body, "response_format");
-  if (!rf || rf->is_null()) return nullptr;
-  if (!rf->is_object()) throw bad_param("response_format", "'response_format' must be an object");
-  const json* type = field(*rf, "type");
+// Structured output, as the three APIs ask for it:
+//   OpenAI's response_format: {"type": "text"}, {"type": "json_object"} (one JSON object;
+//   llama.cpp's "schema" member beside it is honoured too) or {"type": "json_schema",
+//   "json_schema": {"name", "schema", "strict"}};
+//   llama.cpp's top-level "json_schema": a schema;
+//   vLLM's "guided_json" (a schema, or the schema as a JSON string) and "guided_choice" (a list of
+//   strings: the output is exactly one of them, unquoted).
+// At most one of them (response_format "text" counts as none). Null for free text.
+static std::shared_ptr<const engine::json_grammar> compile_schema_param(const json& schema, const char* param) {
+  try {
+    return compile_json_schema(schema);
+  } catch (const schema_error& e) {
+    throw bad_param(param, std::string(param) + " schema: " + e.what());
+  }
+}
+
+static std::shared_ptr<const engine::json_grammar> parse_response_format(const json& rf) {
+  if (!rf.is_object()) throw bad_param("response_format", "'response_format' must be an object");
+  const json* type = field(rf, "type");
   if (!type || !type->is_string()) throw bad_param("response_format", "'response_format.type' must be \"text\", \"json_object\" or \"json_schema\"");
   const std::string t = type->get<std::string>();
-  const json* schema = nullptr;
   if (t == "text") return nullptr;
   if (t == "json_object") {
-    schema = field(*rf, "schema");
-    if (!schema) return engine::json_grammar::any_object();
-  } else if (t == "json_schema") {
-    const json* js = field(*rf, "json_schema");
-    if (!js || !js->is_object()) throw bad_param("response_format", "'response_format.json_schema' must be an object with a 'schema'");
-    schema = field(*js, "schema");
-    if (!schema) throw bad_param("response_format", "'response_format.json_schema.schema' is missing");
-  } else {
+    const json* schema = field(rf, "schema");
+    return schema ? compile_schema_param(*schema, "response_format") : engine::json_grammar::any_object();
+  }
+  if (t != "json_schema")
     throw bad_param("response_format", "'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", not \"" + t + "\"");
+  const json* js = field(rf, "json_schema");
+  if (!js || !js->is_object()) throw bad_param("response_format", "'response_format.json_schema' must be an object with a 'schema'");
+  const json* schema = field(*js, "schema");
+  if (!schema) throw bad_param("response_format", "'response_format.json_schema.schema' is missing");
+  return compile_schema_param(*schema, "response_format");
+}
+
+static std::shared_ptr<const engine::json_grammar> parse_guided_choice(const json& choices) {
+  if (!choices.is_array() || choices.empty())
+    throw bad_param("guided_choice", "'guided_choice' must be a non-empty array of strings");
+  auto g = std::make_shared<engine::json_grammar>();
+  engine::json_node lit;
+  lit.k = engine::json_node::kind::literal;
+  for (const auto& c : choices) {
+    if (!c.is_string() || c.get<std::string>().empty())
+      throw bad_param("guided_choice", "'guided_choice' must be a non-empty array of non-empty strings");
+    lit.literals.push_back(c.get<std::string>());  // raw: the output is the text itself
   }
-  try {
-    return compile_json_schema(*schema);
-  } catch (const schema_error& e) {
-    throw bad_param("response_format", std::string("response_format schema: ") + e.what());
+  g->set_root(g->add(std::move(lit)));
+  g->set_bare(true);
+  if (auto err = g->finalize(); !err.empty()) throw bad_param("guided_choice", "guided_choice: " + err);
+  return g;
+}
+
+static std::shared_ptr<const engine::json_grammar> parse_structured(const json& body) {
+  std::shared_ptr<const engine::json_grammar> g;
+  const char* from = nullptr;
+  const auto take = [&](const char* param, std::shared_ptr<const engine::json_grammar> next) {
+    if (!next) return;
+    if (g) throw bad_param(param, std::string("'") + param + "' and '" + from + "' both constrain the output: give one");
+    g = std::move(next), from = param;
+  };
+  if (const json* rf = field(body, "response_format"); rf && !rf->is_null()) take("response_format", parse_response_format(*rf));
+  if (const json* js = field(body, "json_schema"); js && !js->is_null()) take("json_schema", compile_schema_param(*js, "json_schema"));
+  if (const json* gj = field(body, "guided_json"); gj && !gj->is_null()) {
+    json schema = *gj;
+    if (gj->is_string()) {
+      schema = json::parse(gj->get<std::string>(), nullptr, false);
+      if (schema.is_discarded()) throw bad_param("guided_json", "'guided_json' is a string that is not JSON");
+    }
+    take("guided_json", compile_schema_param(schema, "guided_json"));
   }
+  if (const json* gc = field(body, "guided_choice"); gc && !gc->is_null()) take("guided_choice", parse_guided_choice(*gc));
+  return g;
 }
 
 completion_request parse_completion(const json& body, endpoint kind, const api_context& ctx) {
@@ -298,7 +342,7 @@ completion_request parse_completion(const json& body, endpoint kind, const api_c
   }
   parse_stop(body, s);
   s.ignore_eos = get_bool(body, "ignore_eos").value_or(false);  // vLLM's extension
-  s.grammar = parse_response_format(body);
+  s.grammar = parse_structured(body);
   if (chat) {
     r.logprobs = get_bool(body, "logprobs").value_or(false);
     if (auto v = get_int(body, "top_logprobs")) {

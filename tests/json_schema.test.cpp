@@ -213,6 +213,16 @@ TEST_CASE("json matcher: limits and the edges of the JSON grammar", "[json][gram
   CHECK(matches(*g, std::string(json_matcher::kMaxDepth - 1, '[') + std::string(json_matcher::kMaxDepth - 1, ']')));
   json_matcher deep(*g, byte_vocab());
   CHECK_FALSE(deep.advance_bytes(std::string(json_matcher::kMaxDepth + 1, '[')));
+  // Bare (guided_choice): exactly one of the texts, no whitespace around it.
+  auto choice = std::make_shared<json_grammar>();
+  json_node lit;
+  lit.k = json_node::kind::literal;
+  lit.literals = {"yes", "yesterday", "no way"};
+  choice->set_root(choice->add(lit));
+  choice->set_bare(true);
+  REQUIRE(choice->finalize().empty());
+  for (const char* ok : {"yes", "yesterday", "no way"}) CHECK(matches(*choice, ok));
+  for (const char* bad : {" yes", "yes ", "yes\n", "\"yes\"", "no", "yesterdays"}) CHECK_FALSE(matches(*choice, bad));
   // A rejected byte leaves the state as it was.
   json_matcher m(*g, byte_vocab());
   REQUIRE(m.advance_bytes("{\"a\":"));

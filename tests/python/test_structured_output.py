@@ -135,6 +135,31 @@ def test_completions_endpoint_takes_response_format(server):
     assert json.loads(body["choices"][0]["text"]) in ("red", "green", "blue")
 
 
+def test_llama_cpp_and_vllm_fields(server):
+    port = server[0]
+    color = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]}
+    base = {"model": "default", "messages": MESSAGES, "max_tokens": 60, "temperature": 0.8, "seed": 2}
+    for field, value in [("json_schema", color), ("guided_json", color), ("guided_json", json.dumps(color))]:
+        st, body = request(port, dict(base, **{field: value}))
+        assert st == 200, body
+        jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), color)
+    choices = ["positive", "negative", "neutral"]
+    for seed in range(3):
+        st, body = request(port, dict(base, seed=seed, guided_choice=choices))
+        assert st == 200, body
+        assert body["choices"][0]["message"]["content"] in choices  # exactly one, unquoted
+    for bad, word in [(dict(base, guided_choice=[]), "guided_choice"), (dict(base, guided_choice=["a", 3]), "guided_choice"),
+                      (dict(base, guided_json="{not json"), "guided_json"),
+                      (dict(base, json_schema=color, guided_choice=choices), "give one"),
+                      (dict(base, response_format={"type": "json_object"}, guided_json=color), "give one")]:
+        st, body = request(port, bad)
+        assert st == 400, body
+        assert word in body["error"]["message"]
+    # response_format "text" is no constraint, so it combines with one
+    st, body = request(port, dict(base, response_format={"type": "text"}, guided_choice=choices))
+    assert st == 200 and body["choices"][0]["message"]["content"] in choices
+
+
 @pytest.mark.parametrize("fmt, word", [
     ({"type": "xml"}, "xml"),
     ("json", "response_format"),
