@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "engine/block_manager.hpp"
+#include "engine/json_grammar.hpp"
 
 namespace troupe::engine {
 
@@ -20,6 +21,7 @@ struct seq_state {
   stop_matcher stops;
   stream_decoder dec;
   generation_result res;
+  std::unique_ptr<grammar_cursor> grammar;  // structured output (sampling.grammar)
   bool finished = false;
   seq_state(const generation_request& r, const tokenizer& tok)
       : req(&r), tokens(r.prompt), samp(r.sampling), stops(r.sampling.stop), dec(tok, false) {}
@@ -174,7 +176,16 @@ std::vector<generation_result> generator::run(std::span<const generation_request
       if (batch[b].no_logits) continue;  // mid-prompt chunk: no token yet
       const auto first = logits.begin() + (ptrdiff_t)(row_i++ * (size_t)n_vocab);
       std::vector<float> row(first, first + n_vocab);
-      sample_result sr = s.samp.sample(row, s.tokens);
+      sample_result sr;
+      if (s.req->sampling.grammar) {  // structured output, each draw seeded from the seed and its index
+        if (!vocab_) vocab_ = std::make_unique<vocab_index>(tok);
+        if (!s.grammar) s.grammar = std::make_unique<grammar_cursor>(s.req->sampling.grammar, *vocab_);
+        sampling_params p = s.req->sampling;
+        p.seed += 0x9e3779b97f4a7c15ULL * (s.res.tokens.size() + 1);
+        sr = sample_constrained(row, s.tokens, *s.grammar, s.res.tokens, p);
+      } else {
+        sr = s.samp.sample(row, s.tokens);
+      }
       if (s.res.tokens.empty()) s.res.prefill_s = since(t0);
       const sampling_params& sp = s.req->sampling;
       bool by_string = false;

@@ -86,6 +86,7 @@ class generator {
   int n_ctx_;
   parallelism parallel() const { return {opt_.tensor_parallel, opt_.pipeline_parallel, opt_.expert_parallel}; }
   kv_shape shape_;
+  std::unique_ptr<vocab_index> vocab_;  // built at the first request with a grammar
   std::unique_ptr<split_forward> fwd_;
   int64_t kv_blocks_ = 0;  // blocks of the KV cache built
 };

@@ -2,12 +2,18 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <fstream>
 #include <iostream>
+#include <sstream>
 #include <stdexcept>
 
 #include "engine/chat_template.hpp"
 #include "engine/generator.hpp"
 #include "net/cli.hpp"
+#ifdef TROUPE_HAVE_ACTORS  // the service build, which has nlohmann and net/json_schema
+#include "engine/json_grammar.hpp"
+#include "net/json_schema.hpp"
+#endif
 
 namespace troupe::cli {
 
@@ -16,9 +22,9 @@ namespace {
 struct generate_opts {
   config::engine_config engine;
   engine::sampling_params sampling;
-  std::string prompt, prompt_tokens, system, chat_template;
+  std::string prompt, prompt_tokens, system, chat_template, json_schema;
   int32_t max_tokens = 256;
-  bool chat = false, interactive = false, print_ids = false, quiet = false;
+  bool chat = false, interactive = false, print_ids = false, quiet = false, json = false;
 };
 
 std::vector<engine::token_id> encode_chat(const engine::model& m, const std::vector<engine::chat_message>& msgs,
@@ -50,6 +56,28 @@ int run_generate(generate_opts& o) {
   if (o.max_tokens < 1) throw std::runtime_error("--max-tokens must be at least 1, got " + std::to_string(o.max_tokens));
   o.sampling.logprobs = o.sampling.top_logprobs > 0;
   if (auto err = o.sampling.validate(); !err.empty()) throw std::runtime_error(err);
+#ifdef TROUPE_HAVE_ACTORS
+  // Structured output, as llama-cli's --json-schema: the schema's text, or @FILE.
+  if (o.json && !o.json_schema.empty()) throw std::runtime_error("--json and --json-schema: give one");
+  if (o.json) o.sampling.grammar = engine::json_grammar::any_object();
+  if (!o.json_schema.empty()) {
+    std::string text = o.json_schema;
+    if (text[0] == '@') {
+      std::ifstream f(text.substr(1));
+      if (!f) throw std::runtime_error("--json-schema: cannot read " + text.substr(1));
+      std::ostringstream ss;
+      ss << f.rdbuf();
+      text = ss.str();
+    }
+    const auto schema = nlohmann::ordered_json::parse(text, nullptr, false);
+    if (schema.is_discarded()) throw std::runtime_error("--json-schema: not JSON");
+    try {
+      o.sampling.grammar = net::compile_json_schema(schema);
+    } catch (const net::schema_error& e) {
+      throw std::runtime_error(std::string("--json-schema: ") + e.what());
+    }
+  }
+#endif
   auto m = load_model(o.engine);
   engine::generator gen(*m, {o.engine.n_threads, o.engine.n_ctx, o.engine.kv_block_size, o.engine.n_batch, o.engine.tensor_parallel, o.engine.pipeline_parallel, o.engine.expert_parallel, !o.engine.swa_full});
   const engine::tokenizer& tok = m->vocab();
@@ -130,6 +158,10 @@ action add_generate(CLI::App& app) {
   cmd->add_flag("-i,--interactive", o->interactive, "multi-turn chat on the terminal");
   cmd->add_flag("--print-token-ids", o->print_ids, "print generated token ids instead of text");
   cmd->add_flag("-q,--quiet", o->quiet, "no statistics line on stderr");
+#ifdef TROUPE_HAVE_ACTORS
+  cmd->add_option("--json-schema", o->json_schema, "constrain the output to this JSON Schema (its text, or @FILE)");
+  cmd->add_flag("--json", o->json, "constrain the output to one JSON object");
+#endif
   return [o] { return run_generate(*o); };
 }
 

@@ -212,3 +212,18 @@ def test_websocket_generation_follows_the_schema(server):
     assert bad["type"] == "error" and "pattern" in bad["message"]
     assert final["finish_reason"] == "stop"
     jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_generate_cli_json_schema(tmp_path):
+    import subprocess
+    schema_file = tmp_path / "person.json"
+    schema_file.write_text(json.dumps(PERSON))
+    for seed in (1, 2):
+        r = subprocess.run([TROUPE, "generate", "--chat", "-p", MESSAGES[0]["content"], "-n", "300", "-t", "2", "-q",
+                            "--seed", str(seed), "--json-schema", f"@{schema_file}"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        jsonschema.validate(json.loads(r.stdout), PERSON)
+    r = subprocess.run([TROUPE, "generate", "-p", "x", "--json-schema", '{"type": "string", "format": "uri"}'],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "format" in r.stderr
