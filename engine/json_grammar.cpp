@@ -123,6 +123,13 @@ std::string json_grammar::finalize() {
       case json_node::kind::string:
         if (x.min_length < 0 || (x.max_length >= 0 && x.max_length < x.min_length))
           return "minLength must be >= 0 and at most maxLength";
+        if (!x.pattern.empty()) {
+          if (x.min_length > 0 || x.max_length >= 0) return "pattern together with minLength or maxLength is not supported";
+          auto nfa = std::make_shared<code_nfa>();
+          std::string err;
+          if (!code_nfa::compile(x.pattern, *nfa, err)) return "pattern \"" + x.pattern + "\": " + err;
+          x.nfa = std::move(nfa);
+        }
         break;
       case json_node::kind::literal:
         if (x.literals.empty()) return "an enum must list at least one value";
@@ -334,13 +341,25 @@ bool required_left(const json_node& x, uint32_t pos) {
   return false;
 }
 
+// Some state of `set` takes a code point in [lo, hi].
+bool nfa_meets(uint64_t set, const code_nfa& nfa, uint32_t lo, uint32_t hi) {
+  if (lo > hi) return false;
+  while (set) {
+    const int st = std::countr_zero(set);
+    set &= set - 1;
+    for (const code_nfa::edge& e : nfa.edges[(size_t)st])
+      if (e.lo <= hi && lo <= e.hi) return true;
+  }
+  return false;
+}
+
 bool number_can_end(uint8_t p) { return p == num_zero || p == num_int || p == num_frac || p == num_exp; }
 
 }  // namespace
 
 json_matcher::json_matcher(const json_grammar& g, const vocab_index& v) : g_(&g), v_(&v) {
   cur_.clear();
-  cur_.frames.push_back({g_->root(), start, 0, 0, 0, 0});
+  cur_.frames.push_back({g_->root(), start, 0, 0, 0, 0, 0});
   cur_.alts.push_back({0, 1, 0, false});
 }
 
@@ -365,7 +384,7 @@ void json_matcher::advance(const state& in, uint8_t c, state& out) const {
       dup = std::equal(out.frames.begin() + a.begin, out.frames.begin() + a.begin + a.size, out.frames.begin() + b.begin,
                        [](const frame& x, const frame& y) {
                          return x.node == y.node && x.phase == y.phase && x.esc == y.esc && x.pos == y.pos && x.t == y.t &&
-                                x.count == y.count;
+                                x.count == y.count && x.cp == y.cp;
                        });
     }
     if (!dup) out.alts[w++] = a;
@@ -388,7 +407,7 @@ void json_matcher::step_alt(state& out, uint32_t ai, uint8_t c, int fuel) const 
   const auto push = [&](int32_t node, uint8_t ph) {
     if (out.alts[ai].size >= (uint32_t)kMaxDepth) return false;
     to_tail();
-    out.frames.push_back({node, ph, 0, 0, 0, 0});
+    out.frames.push_back({node, ph, 0, 0, 0, 0, 0});
     ++out.alts[ai].size;
     return true;
   };
@@ -455,6 +474,7 @@ void json_matcher::step_alt(state& out, uint32_t ai, uint8_t c, int fuel) const 
           case json_node::kind::string:
             if (c != '"') return kill();
             f.phase = str_in;
+            if (x.nfa) f.count = (int64_t)x.nfa->start;
             return;
           case json_node::kind::number:
             if (c == '-') f.phase = num_minus;
@@ -607,22 +627,43 @@ void json_matcher::step_alt(state& out, uint32_t ai, uint8_t c, int fuel) const 
             if (!closing) p.count = keys.child((int32_t)p.count - 1, c) + 1;
           }
         }
+        // A whole code point of the value: counted, or stepped through the pattern.
+        const code_nfa* nfa = x.nfa.get();
+        const auto take = [&](uint32_t cp) {
+          if (!nfa) return ++f.count, true;
+          f.count = (int64_t)nfa->step((uint64_t)f.count, cp);
+          return f.count != 0;
+        };
+        // With a pattern, a partly read code point must still be able to become one it takes:
+        // [lo, hi] the code points the bytes so far leave possible.
+        const auto possible = [&](uint32_t lo, uint32_t hi) { return !nfa || nfa_meets((uint64_t)f.count, *nfa, lo, hi); };
         if (f.esc == 1) {  // after a backslash
-          if (c == '"' || c == '\\' || c == '/' || c == 'b' || c == 'f' || c == 'n' || c == 'r' || c == 't') {
-            f.esc = 0;
-            ++f.count;
-          } else if (c == 'u') {
-            f.esc = 2;
-            f.t = 0;
-          } else {
-            kill();
+          uint32_t cp = 0;
+          if (nfa && c == '/') return kill();  // pattern strings: only what must be escaped is
+          if (nfa && c == 'u' && !possible(0, 0x1f)) return kill();
+          switch (c) {
+            case '"': cp = '"'; break;
+            case '\\': cp = '\\'; break;
+            case '/': cp = '/'; break;
+            case 'b': cp = 8; break;
+            case 'f': cp = 12; break;
+            case 'n': cp = 10; break;
+            case 'r': cp = 13; break;
+            case 't': cp = 9; break;
+            case 'u':
+              f.esc = 2;
+              f.t = 0;
+              return;
+            default: return kill();
           }
+          f.esc = 0;
+          if (!take(cp)) kill();
           return;
         }
         // \uXXXX: esc 2..5 for its hex digits, the value gathered in t. A high surrogate
         // (D800-DBFF) must be followed by "\u" and a low one (DC00-DFFF): esc 6 and 7 for those
-        // two bytes, 8..11 for its digits; a low surrogate alone is refused at its second digit,
-        // so no accepted prefix is a dead end.
+        // two bytes, 8..11 for its digits, the high half kept in cp; a low surrogate alone is
+        // refused at its second digit, so no accepted prefix is a dead end.
         if (f.esc == 6) {
           if (c != '\\') return kill();
           f.esc = 7;
@@ -639,14 +680,29 @@ void json_matcher::step_alt(state& out, uint32_t ai, uint8_t c, int fuel) const 
           const int d = hex_value(c);
           if ((f.esc == 3 && f.t == 0xd && d >= 0xc) || (f.esc == 8 && d != 0xd) || (f.esc == 9 && d < 0xc))
             return kill();
-          f.t = f.t * 16 + d;
+          const int32_t v = f.t * 16 + d;
+          const int left = (f.esc <= 5 ? 5 : 11) - f.esc;  // hex digits still to come
+          const uint32_t lo = (uint32_t)v << (4 * left), hi = lo + (1u << (4 * left)) - 1;
+          // A pattern string escapes control characters only (below).
+          if (nfa && (lo > 0x1f || !possible(lo, std::min(hi, 0x1fu)))) return kill();
+          f.t = v;
           ++f.esc;
-          if (f.esc == 6 && !(f.t >= 0xd800 && f.t <= 0xdbff)) f.esc = 12;  // not a high surrogate: done
-          if (f.esc == 6) f.t = 0;  // a high surrogate: its low half next
-          if (f.esc == 12) {
+          if (f.esc == 6) {
+            if (f.t >= 0xd800 && f.t <= 0xdbff) {  // a high surrogate: its low half next
+              f.cp = (uint32_t)f.t;
+              f.t = 0;
+              return;
+            }
             f.esc = 0;
+            const uint32_t cp = (uint32_t)f.t;
             f.t = 0;
-            ++f.count;
+            if (!take(cp)) kill();
+          } else if (f.esc == 12) {
+            f.esc = 0;
+            const uint32_t cp = 0x10000 + ((f.cp - 0xd800) << 10) + ((uint32_t)f.t - 0xdc00);
+            f.t = 0;
+            f.cp = 0;
+            if (!take(cp)) kill();
           }
           return;
         }
@@ -654,31 +710,45 @@ void json_matcher::step_alt(state& out, uint32_t ai, uint8_t c, int fuel) const 
         if (pending) {
           const uint8_t lo = (uint8_t)(f.t >> 8), hi = (uint8_t)(f.t >> 16);
           if (c < lo || c > hi) return kill();
+          f.cp = (f.cp << 6) | (c & 0x3f);
           if (pending == 1) {
             f.t = 0;
-            ++f.count;
+            const uint32_t cp = f.cp;
+            f.cp = 0;
+            if (!take(cp)) kill();
           } else {
+            const uint32_t left = 6 * (pending - 1);
+            if (!possible(f.cp << left, (f.cp << left) | ((1u << left) - 1))) return kill();
             f.t = (int32_t)((pending - 1) | (0x80u << 8) | (0xbfu << 16));
           }
           return;
         }
         if (c == '"') {
-          if (f.count < x.min_length) return kill();
+          if (nfa ? !nfa->accepts((uint64_t)f.count) : f.count < x.min_length) return kill();
           complete();
           return;
         }
         if (!room) return kill();
         if (c == '\\') {
+          // A pattern string is written as JSON writers do (nlohmann, Python's json without
+          // ensure_ascii): an escape only for '"', '\\' and control characters, so a model cannot
+          // wander into \u escapes of letters (seen: "n\u0065\u0077..." until max_tokens).
+          if (nfa && !possible('"', '"') && !possible('\\', '\\') && !possible(0, 0x1f)) return kill();
           f.esc = 1;
           return;
         }
         if (c < 0x20) return kill();
         if (c < 0x80) {
-          ++f.count;
+          if (!take(c)) kill();
           return;
         }
         uint32_t more, lo, hi;
         if (!utf8_lead(c, more, lo, hi)) return kill();
+        f.cp = c & (0x3fu >> more);
+        if (nfa) {  // the code points this lead byte and the first continuation's range allow
+          const uint32_t left = 6 * (more - 1), top = f.cp << (6 * more);
+          if (!possible(top | ((lo & 0x3f) << left), top | ((hi & 0x3f) << left) | ((1u << left) - 1))) return kill();
+        }
         f.t = (int32_t)(more | (lo << 8) | (hi << 16));
         return;
       }
@@ -824,6 +894,7 @@ bool json_matcher::free_string(const state& s, const alt_header& a, int64_t& roo
   const frame& f = s.frames[a.begin + a.size - 1];
   if (f.phase != str_in || f.esc != 0 || (f.t & 3) != 0) return false;
   const json_node& x = g_->node(f.node);
+  if (x.nfa) return false;  // a pattern: every token is walked
   room = x.max_length < 0 ? std::numeric_limits<int64_t>::max() : x.max_length - f.count;
   return room > 0;
 }

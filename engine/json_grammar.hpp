@@ -37,6 +37,8 @@
 #include <string>
 #include <vector>
 
+#include "engine/code_nfa.hpp"
+
 namespace troupe::engine {
 
 class tokenizer;
@@ -75,6 +77,7 @@ struct json_node {
   int64_t min_items = 0, max_items = -1;  // -1: no bound
   // string
   int64_t min_length = 0, max_length = -1;
+  std::string pattern;  // anchored regular expression over the decoded value (code_nfa.hpp); empty: none
   // number
   bool integer = false;
   // literal: the alternatives as serialized JSON (enum, const, true/false/null)
@@ -84,6 +87,7 @@ struct json_node {
 
   // Filled by json_grammar::finalize.
   byte_trie trie;  // object: the keys; literal: the alternatives
+  std::shared_ptr<const code_nfa> nfa;  // string: the compiled pattern
 };
 
 class json_grammar {
@@ -180,7 +184,8 @@ class json_matcher {
     uint8_t esc = 0;      // string: 0, 1 after a backslash, 2..11 inside \u escapes (json_grammar.cpp)
     uint16_t pos = 0;     // object: next declared property
     int32_t t = 0;        // object: trie node or chosen property; string: UTF-8 state; literal: trie node
-    int64_t count = 0;    // array: items started; string: code points; number: digits in this part
+    int64_t count = 0;    // array: items started; string: code points, or the pattern's NFA set; number: digits
+    uint32_t cp = 0;      // string: the code point being read (UTF-8 bytes, a surrogate pair's high half)
   };
   struct alt_header {
     uint32_t begin = 0, size = 0;  // frames in the arena

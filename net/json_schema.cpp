@@ -13,13 +13,26 @@ using engine::json_grammar;
 using engine::json_node;
 
 const std::set<std::string>& unsupported_keywords() {
-  static const std::set<std::string> k{"pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+  static const std::set<std::string> k{"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
                                        "multipleOf", "minProperties", "maxProperties", "patternProperties", "propertyNames",
                                        "dependentRequired", "dependentSchemas", "dependencies", "if", "then", "else", "not",
                                        "uniqueItems", "contains", "minContains", "maxContains", "prefixItems",
                                        "unevaluatedProperties", "unevaluatedItems", "contentEncoding", "contentMediaType",
                                        "$dynamicRef", "$recursiveRef"};
   return k;
+}
+
+// JSON Schema formats as patterns (RFC 3339 date, time with optional fraction and zone, both
+// joined by T; RFC 4122 text form of a UUID), as llama.cpp's converter has them.
+const std::map<std::string, std::string>& format_patterns() {
+  static const std::string date = "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])";
+  static const std::string time = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,3})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])";
+  static const std::map<std::string, std::string> m{
+      {"date", "^" + date + "$"},
+      {"time", "^" + time + "$"},
+      {"date-time", "^" + date + "T" + time + "$"},
+      {"uuid", "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$"}};
+  return m;
 }
 
 int64_t non_negative(const json& s, const char* key, const std::string& at) {
@@ -85,7 +98,8 @@ class compiler {
     if (t == s.end()) {  // inferred from the keywords present
       if (s.contains("properties") || s.contains("additionalProperties") || s.contains("required")) return typed(s, "object", at);
       if (s.contains("items") || s.contains("minItems") || s.contains("maxItems")) return typed(s, "array", at);
-      if (s.contains("minLength") || s.contains("maxLength")) return typed(s, "string", at);
+      if (s.contains("minLength") || s.contains("maxLength") || s.contains("pattern") || s.contains("format"))
+        return typed(s, "string", at);
       return json_grammar::any;
     }
     if (t->is_string()) return typed(s, t->get<std::string>(), at);
@@ -157,6 +171,18 @@ class compiler {
       n.k = json_node::kind::string;
       if (s.contains("minLength")) n.min_length = non_negative(s, "minLength", at);
       if (s.contains("maxLength")) n.max_length = non_negative(s, "maxLength", at);
+      if (const auto f = s.find("format"); f != s.end()) {
+        if (!f->is_string() || !format_patterns().count(f->get<std::string>()))
+          throw schema_error("'format' (at " + at + ") is supported for date, time, date-time and uuid only");
+        n.pattern = format_patterns().at(f->get<std::string>());
+      }
+      if (const auto p = s.find("pattern"); p != s.end()) {
+        if (!p->is_string()) throw schema_error("'pattern' (at " + at + ") must be a string");
+        if (!n.pattern.empty()) throw schema_error("'pattern' and 'format' together (at " + at + ") are not supported");
+        n.pattern = p->get<std::string>();
+      }
+      if (!n.pattern.empty() && (s.contains("minLength") || s.contains("maxLength")))
+        throw schema_error("'pattern' or 'format' with 'minLength'/'maxLength' (at " + at + ") is not supported: put the length in the pattern");
       return g_->add(std::move(n));
     }
     if (type == "number" || type == "integer") {

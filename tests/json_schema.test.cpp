@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <regex>
 #include <random>
 #include <string>
 #include <vector>
@@ -283,7 +284,15 @@ TEST_CASE("json schema: unsupported or malformed schemas are refused by name", "
     }
   };
   refused(R"({"type": "string", "pattern": "^a"})", "pattern");
-  refused(R"({"type": "string", "format": "date"})", "format");
+  refused(R"({"type": "string", "format": "email"})", "format");
+  refused(R"({"type": "string", "pattern": "a+$"})", "anchored");
+  refused(R"({"type": "string", "pattern": "^(a)\\1$"})", "backreference");
+  refused(R"({"type": "string", "pattern": "^(?=a)a$"})", "lookaround");
+  refused(R"({"type": "string", "pattern": "^a\\bc$"})", "boundar");
+  refused(R"({"type": "string", "pattern": "^a{100}$"})", "64 states");
+  refused(R"({"type": "string", "pattern": "^[b-a]$"})", "order");
+  refused(R"({"type": "string", "pattern": "^(ab$"})", "group");
+  refused(R"({"type": "string", "pattern": "^a$", "maxLength": 3})", "maxLength");
   refused(R"({"type": "integer", "minimum": 3})", "minimum");
   refused(R"({"type": "object", "properties": {"a": {"not": {}}}})", "not");
   refused(R"({"type": "teapot"})", "teapot");
@@ -293,6 +302,74 @@ TEST_CASE("json schema: unsupported or malformed schemas are refused by name", "
   refused(R"({"type": "object", "properties": {"a": 5}})", "schema");
   refused(R"({"enum": []})", "enum");
   CHECK_NOTHROW(compile_json_schema(ojson::parse(R"({"title": "t", "description": "d", "type": "object"})")));
+}
+
+TEST_CASE("json schema: string patterns agree with std::regex, escapes and UTF-8 decoded", "[json][schema][pattern]") {
+  const std::vector<std::string> patterns{
+      "^[0-9]{3}-[0-9]{4}$", "^(ab|cd)+x?$", "^[a-c]*b[^b]{1,2}$", "^\\d+(\\.\\d{1,2})?$", "^a.c$",
+      "^[\\w-]+@[a-z]+\\.(com|org)$", "^(?:x|y){2,3}z*?$", "^\\s?\\S$", "^\"q\"\\\\/$", "^$",
+      "^[^\\n]{0,3}\\n?$"};
+  const std::string alphabet = "0123456789-abcdxyz.@_ \"\\/\n\tqmo";
+  std::mt19937_64 rng(17);
+  int matched = 0, total = 0;
+  for (const auto& pat : patterns) {
+    ojson schema = {{"type", "string"}, {"pattern", pat}};
+    const auto g = compile_json_schema(schema);
+    const std::regex re(pat.substr(1, pat.size() - 2), std::regex::ECMAScript);
+    std::vector<std::string> candidates;
+    for (int i = 0; i < 400; ++i) {
+      std::string c;
+      for (int n = (int)(rng() % 10); n > 0; --n) c += alphabet[rng() % alphabet.size()];
+      candidates.push_back(c);
+    }
+    for (const char* c : {"555-1234", "abcdx", "abab", "cb12", "12.50", "x_y-z@abc.org", "xyzz", " a", "\"q\"\\/", "", "ab\n"})
+      candidates.push_back(c);
+    for (const auto& c : candidates) {
+      const bool want = std::regex_match(c, re);
+      INFO(pat << " on " << ojson(c).dump());
+      CHECK(matches(*g, ojson(c).dump()) == want);
+      CHECK(matches(*g, ojson(c).dump(-1, ' ', true)) == want);  // ASCII-escaped: the same value
+      matched += want;
+      ++total;
+    }
+  }
+  CHECK(matched > 40);  // both outcomes ran
+  CHECK(total - matched > 1000);
+
+  // Code points, not bytes; escapes only where JSON needs one (a model cannot drift into \u
+  // escapes of letters).
+  const auto accents = compile_json_schema(ojson::parse(R"({"pattern": "^[à-ÿ]{2}é?😀*[\\n\"]?$"})"));
+  CHECK(matches(*accents, "\"àÿé😀😀\""));
+  CHECK(matches(*accents, "\"àÿ\\n\""));
+  CHECK(matches(*accents, "\"àÿ\\u000a\""));
+  CHECK(matches(*accents, "\"àÿ\\\"\""));
+  CHECK_FALSE(matches(*accents, "\"à\""));
+  CHECK_FALSE(matches(*accents, "\"àÿ😁\""));
+  CHECK_FALSE(matches(*accents, "\"\\u00e0ÿ\""));  // a letter as \u: refused in pattern strings
+  CHECK_FALSE(matches(*accents, "\"àÿ\\/\""));
+  // No dead end: a byte or hex digit that cannot start an allowed code point is refused at once.
+  json_matcher m(*accents, byte_vocab());
+  CHECK(m.advance_bytes("\"àÿ\\u00"));
+  CHECK_FALSE(m.advance_bytes("1"));  // U+001x: not \n
+  CHECK(m.advance_bytes("0a\""));
+  json_matcher u(*accents, byte_vocab());
+  CHECK_FALSE(u.advance_bytes("\"\xe6"));  // U+6000-U+6FFF: none allowed
+  CHECK(u.advance_bytes("\"\xc3"));        // U+00C0-U+00FF: some
+  json_matcher v(*accents, byte_vocab());
+  CHECK_FALSE(v.advance_bytes("\"\\"));    // no escape can start the value (letters first)
+  const auto plain = compile_json_schema(ojson::parse(R"({"pattern": "^[a-z]+$"})"));
+  json_matcher q(*plain, byte_vocab());
+  CHECK_FALSE(q.advance_bytes("\"\\"));
+
+  // Formats as patterns.
+  const auto date = compile_json_schema(ojson::parse(R"({"type": "string", "format": "date-time"})"));
+  CHECK(matches(*date, "\"2024-02-29T13:05:59.123+01:00\""));
+  CHECK(matches(*date, "\"1999-12-31T23:59:59Z\""));
+  CHECK_FALSE(matches(*date, "\"2024-13-01T00:00:00Z\""));
+  CHECK_FALSE(matches(*date, "\"2024-01-01 00:00:00Z\""));
+  const auto uuid = compile_json_schema(ojson::parse(R"({"format": "uuid"})"));
+  CHECK(matches(*uuid, "\"123e4567-e89b-12d3-a456-426614174000\""));
+  CHECK_FALSE(matches(*uuid, "\"123e4567-e89b-12d3-a456-42661417400\""));
 }
 
 TEST_CASE("json matcher: allowed-token masks agree with token-by-token checks on the default vocabulary",
@@ -305,9 +382,9 @@ TEST_CASE("json matcher: allowed-token masks agree with token-by-token checks on
   const auto schema = compile_json_schema(ojson::parse(R"({"type": "object",
       "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 4},
                      "kind": {"enum": ["cat", "caterpillar", "dog"]}, "ok": {"type": "boolean"},
-                     "xs": {"type": "array", "items": {"type": "number"}}},
+                     "xs": {"type": "array", "items": {"type": "number"}}, "code": {"pattern": "^[A-Z]{2}-[0-9]+$"}},
       "required": ["id", "kind"]})"));
-  const std::string doc = R"({"id": -12, "name": "é\"b", "kind": "caterpillar", "ok": true, "xs": [1.5e3, 2]})";
+  const std::string doc = R"({"id": -12, "name": "é\"b", "kind": "caterpillar", "ok": true, "xs": [1.5e3, 2], "code": "AB-123"})";
   std::vector<uint64_t> bits;
   int states = 0;
   for (size_t cut = 0; cut <= doc.size(); cut += 3) {
@@ -337,8 +414,10 @@ TEST_CASE("json schema: random generation under the masks always gives valid doc
   const auto schema = compile_json_schema(ojson::parse(R"({"type": "object",
       "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 6},
                      "e": {"enum": ["red", "green", 7]}, "a": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
-                     "o": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}]}},
-      "required": ["n", "e", "o"]})"));
+                     "o": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}]},
+                     "p": {"type": "string", "pattern": "^[a-f0-9]{4}(-[xy]+)?$"}},
+      "required": ["n", "e", "o", "p"]})"));
+  const std::regex p_re("[a-f0-9]{4}(-[xy]+)?");
   std::mt19937_64 rng(5);
   int finished = 0;
   for (int i = 0; i < 60; ++i) {
@@ -352,12 +431,13 @@ TEST_CASE("json schema: random generation under the masks always gives valid doc
     CHECK(d.at("n").is_number_integer());
     CHECK((d.at("e") == "red" || d.at("e") == "green" || d.at("e") == 7));
     CHECK((d.at("o").is_null() || d.at("o").at("x").is_number()));
+    CHECK(std::regex_match(d.at("p").get<std::string>(), p_re));
     if (d.contains("s")) {
       const std::string s = d["s"].get<std::string>();
       CHECK(std::count_if(s.begin(), s.end(), [](char c) { return ((uint8_t)c & 0xc0) != 0x80; }) <= 6);  // code points
     }
     if (d.contains("a")) CHECK(d["a"].size() <= 3);
-    for (const auto& [k, _] : d.items()) CHECK((k == "n" || k == "s" || k == "e" || k == "a" || k == "o"));
+    for (const auto& [k, _] : d.items()) CHECK((k == "n" || k == "s" || k == "e" || k == "a" || k == "o" || k == "p"));
   }
   CHECK(finished >= 40);
 }

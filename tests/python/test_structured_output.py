@@ -165,7 +165,8 @@ def test_llama_cpp_and_vllm_fields(server):
     ("json", "response_format"),
     ({"type": "json_schema"}, "json_schema"),
     ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema"),
-    (schema_format({"type": "string", "pattern": "^a+$"}), "pattern"),
+    (schema_format({"type": "string", "pattern": "a+"}), "anchored"),
+    (schema_format({"type": "string", "pattern": "^(a)\\1$"}), "backreference"),
     (schema_format({"type": "string", "format": "email"}), "format"),
     (schema_format({"type": "integer", "minimum": 0}), "minimum"),
     (schema_format({"type": "array", "minItems": 3, "maxItems": 1}), "minItems"),
@@ -227,3 +228,20 @@ def test_generate_cli_json_schema(tmp_path):
     r = subprocess.run([TROUPE, "generate", "-p", "x", "--json-schema", '{"type": "string", "format": "uri"}'],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "format" in r.stderr
+
+
+def test_patterns_and_formats(client):
+    schema = {"type": "object", "properties": {
+        "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2,4}$"},
+        "day": {"type": "string", "format": "date"},
+        "id": {"type": "string", "format": "uuid"},
+        "tag": {"pattern": "^(new|used)(-[a-z]+)?$"}},
+        "required": ["sku", "day", "id", "tag"]}
+    checker = jsonschema.FormatChecker()
+    for seed in range(3):
+        r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "A product as JSON."}],
+                                           temperature=1.0, seed=seed, max_tokens=200,
+                                           response_format=schema_format(schema))
+        assert r.choices[0].finish_reason == "stop"
+        doc = json.loads(r.choices[0].message.content)
+        jsonschema.validate(doc, schema, format_checker=checker)  # pattern, date and uuid checked
