@@ -260,6 +260,7 @@ class parser {
     ++i_;
     switch (c) {
       case '(': {
+        if (++depth_ > 64) throw pattern_error("groups nested more than 64 deep");
         if (more() && peek() == '?') {
           if (i_ + 1 < p_.size() && p_[i_ + 1] == ':') i_ += 2;
           else throw pattern_error("lookaround and named groups are not supported");
@@ -267,6 +268,7 @@ class parser {
         const int x = alt();
         if (!more() || peek() != ')') throw pattern_error("an unterminated ( group");
         ++i_;
+        --depth_;
         return x;
       }
       case '[': return cls();
@@ -284,6 +286,7 @@ class parser {
 
   std::vector<uint32_t> p_;
   size_t i_ = 0;
+  int depth_ = 0;
 };
 
 // ---- tree -> Thompson NFA (epsilon edges) ----
@@ -298,7 +301,7 @@ struct thompson {
   const std::vector<re>* tree = nullptr;
 
   int add() {
-    if (s.size() > 20000) throw pattern_error("the pattern is too large");
+    if (s.size() >= 4000) throw pattern_error("the pattern is too large (over 4000 NFA states before reduction)");
     s.emplace_back();
     return (int)s.size() - 1;
   }
@@ -380,6 +383,7 @@ uint64_t code_nfa::step(uint64_t set, uint32_t cp) const {
 bool code_nfa::compile(const std::string& pattern, code_nfa& out, std::string& error) {
   try {
     std::vector<uint32_t> cps = decode(pattern);
+    if (cps.size() > 1000) throw pattern_error("patterns of more than 1000 characters are not supported");
     // Anchored: "^" first and an unescaped "$" last.
     size_t slashes = 0;
     for (size_t k = cps.size() >= 2 ? cps.size() - 1 : 0; k-- > 0 && cps[k] == '\\';) ++slashes;

@@ -7,7 +7,8 @@
 // '.' (any code point but a line terminator); classes [...] and [^...] with ranges and escapes;
 // groups (...) and (?:...); alternation |; quantifiers * + ? {n} {n,} {n,m} (greedy or lazy:
 // the same language). Refused with the reason: unanchored, backreferences, lookaround, word
-// boundaries, other anchors inside, counted repeats that need more than 64 states.
+// boundaries, other anchors inside, counted repeats that need more than 64 states; limits: 1000
+// characters, groups 64 deep, 4000 states before reduction (bounded work on a request thread).
 //
 // Only live states are kept in a set (states from which the end is still reachable), so a
 // non-empty set can always be completed: the matcher never accepts a dead end.

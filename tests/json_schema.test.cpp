@@ -293,6 +293,9 @@ TEST_CASE("json schema: unsupported or malformed schemas are refused by name", "
   refused(R"({"type": "string", "pattern": "^[b-a]$"})", "order");
   refused(R"({"type": "string", "pattern": "^(ab$"})", "group");
   refused(R"({"type": "string", "pattern": "^a$", "maxLength": 3})", "maxLength");
+  refused(("{\"pattern\": \"^" + std::string(70, '(') + "a" + std::string(70, ')') + "$\"}").c_str(), "nested");
+  refused(("{\"pattern\": \"^a" + std::string(1200, '*') + "$\"}").c_str(), "1000 characters");
+  refused(R"({"pattern": "^((()){999}){999}$"})", "too large");
   refused(R"({"type": "integer", "minimum": 3})", "minimum");
   refused(R"({"type": "object", "properties": {"a": {"not": {}}}})", "not");
   refused(R"({"type": "teapot"})", "teapot");
