@@ -48,6 +48,19 @@ std::vector<uint8_t> random_blocks(const type_info& ti, int64_t n_blocks, std::m
   return raw;
 }
 
+/// y[b, o] = sum_i w[o, i] x[b, i] in double precision.
+std::vector<float> reference_gemv(const std::vector<float>& w, const std::vector<float>& x, int batch, int64_t n_out,
+                                  int64_t n_in) {
+  std::vector<float> y(size_t(batch * n_out));
+  for (int b = 0; b < batch; ++b)
+    for (int64_t o = 0; o < n_out; ++o) {
+      double s = 0.0;
+      for (int64_t i = 0; i < n_in; ++i) s += double(w[size_t(o * n_in + i)]) * x[size_t(b * n_in + i)];
+      y[size_t(b * n_out + o)] = float(s);
+    }
+  return y;
+}
+
 }  // namespace
 
 TEST_CASE("gemv_quant matches dequantized weights times bf16 activations", "[cuda]") {
@@ -68,13 +81,7 @@ TEST_CASE("gemv_quant matches dequantized weights times bf16 activations", "[cud
         dev_buf<bf16> d_x(to_bf16(x)), d_y(size_t(batch * n_out));
         d_y.poison();
         gemv_quant(ti.t, d_w.p, n_out, n_in, d_x.p, d_y.p, batch, nullptr);
-        std::vector<float> want(size_t(batch * n_out));
-        for (int b = 0; b < batch; ++b)
-          for (int64_t o = 0; o < n_out; ++o) {
-            double s = 0.0;
-            for (int64_t i = 0; i < n_in; ++i) s += double(w[size_t(o * n_in + i)]) * x[size_t(b * n_in + i)];
-            want[size_t(b * n_out + o)] = float(s);
-          }
+        const std::vector<float> want = reference_gemv(w, x, batch, n_out, n_in);
         INFO("type " << int(ti.t) << " n_out " << n_out << " batch " << batch);
         CHECK(normalized_error(from_bf16(d_y.download()), want) <= 1e-2);
       }
@@ -95,13 +102,7 @@ TEST_CASE("gemv_bf16 matches bf16 weights times bf16 activations", "[cuda]") {
         dev_buf<bf16> d_x(to_bf16(x)), d_y(size_t(batch * n_out));
         d_y.poison();
         gemv_bf16(d_w.p, n_out, n_in, d_x.p, d_y.p, batch, nullptr);
-        std::vector<float> want(size_t(batch * n_out));
-        for (int b = 0; b < batch; ++b)
-          for (int64_t o = 0; o < n_out; ++o) {
-            double s = 0.0;
-            for (int64_t i = 0; i < n_in; ++i) s += double(w[size_t(o * n_in + i)]) * x[size_t(b * n_in + i)];
-            want[size_t(b * n_out + o)] = float(s);
-          }
+        const std::vector<float> want = reference_gemv(w, x, batch, n_out, n_in);
         INFO("n_out " << n_out << " n_in " << n_in << " batch " << batch);
         CHECK(normalized_error(from_bf16(d_y.download()), want) <= 1e-2);
       }
