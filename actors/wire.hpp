@@ -31,11 +31,11 @@ typename Inspector::result_type inspect(Inspector& f, json_node::property& x) {
   return f(caf::meta::type_name("json_property"), x.key, x.value, x.required);
 }
 
-// A grammar node without its tries (finalize() rebuilds them on arrival).
+// A grammar node without its tries and pattern automaton (finalize() rebuilds them on arrival).
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, json_node& x) {
   return f(caf::meta::type_name("json_node"), x.k, x.properties, x.additional, x.items, x.min_items, x.max_items, x.min_length,
-           x.max_length, x.integer, x.literals, x.branches);
+           x.max_length, x.pattern, x.integer, x.literals, x.branches);
 }
 
 // sampling_params::grammar travels as its nodes, root and bare flag (root -1: no grammar).

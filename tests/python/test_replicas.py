@@ -10,6 +10,7 @@ the replica runs its generations, a replica of another model.
 import contextlib
 import http.client
 import json
+import re
 import signal
 import subprocess
 import threading
@@ -104,8 +105,9 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", 
            "In 1492, Columbus", "Water boils at", "A color, as JSON:"]
 # The last prompt's generation is held to a JSON schema: its grammar crosses the wire too.
 COLOR = {"type": "json_schema", "json_schema": {"name": "c", "schema": {
-    "type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "shade": {"type": "integer"}},
-    "required": ["color", "shade"]}}}
+    "type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "shade": {"type": "integer"},
+                                     "code": {"type": "string", "pattern": "^#[0-9a-f]{6}$"}},
+    "required": ["color", "shade", "code"]}}}
 
 
 def bodies():
@@ -154,7 +156,8 @@ def test_generations_spread_over_replicas_equal_one_process(replica_and_front):
         st, r = request(rhttp, "POST", "/v1/completions", b)
         assert st == 200, r
         ref.append(r["choices"][0])
-    assert json.loads(ref[-1]["text"])["color"] in ("red", "green", "blue")
+    made = json.loads(ref[-1]["text"])
+    assert made["color"] in ("red", "green", "blue") and re.fullmatch("#[0-9a-f]{6}", made["code"])
     steps_before = metrics(rhttp)['troupe_scheduler_steps_total{model="default"}']
     routed_before = replica_series(front, "troupe_replica_routed_total", remote)
 
