@@ -22,18 +22,11 @@ namespace troupe::actors {
 
 namespace {
 
-uint64_t mix_seed(uint64_t seed, uint64_t index) {  // splitmix64 of the pair
-  uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (index + 1);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
 // The host sampler on one logits row (scratch: the penalties modify it), seeded for its draw.
 engine::sample_result sample_on_host(std::span<float> row, const engine::sampling_params& params, uint64_t seed, uint64_t draw,
                                      std::span<const engine::token_id> history) {
   engine::sampling_params p = params;
-  p.seed = mix_seed(seed, draw);
+  p.seed = engine::mix_seed(seed, draw);
   p.has_seed = true;
   return engine::sampler(p).sample(row, history);
 }
@@ -269,7 +262,7 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg, 
               std::vector<engine::token_id> output = sp.output;
               if (auto f = fed.find(sp.seq); f != fed.end()) output.push_back(f->second);
               engine::sampling_params p = *sp.params;
-              p.seed = mix_seed(p.seed, sp.draw_index);
+              p.seed = engine::mix_seed(p.seed, sp.draw_index);
               p.has_seed = true;
               auto c = st->grammars.find(sp.seq);
               if (c == st->grammars.end() || c->second.grammar() != p.grammar.get())

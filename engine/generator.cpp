@@ -177,11 +177,11 @@ std::vector<generation_result> generator::run(std::span<const generation_request
       const auto first = logits.begin() + (ptrdiff_t)(row_i++ * (size_t)n_vocab);
       std::vector<float> row(first, first + n_vocab);
       sample_result sr;
-      if (s.req->sampling.grammar) {  // structured output, each draw seeded from the seed and its index
+      if (s.req->sampling.grammar) {  // structured output, each draw seeded as the server seeds it
         if (!vocab_) vocab_ = std::make_unique<vocab_index>(tok);
         if (!s.grammar) s.grammar = std::make_unique<grammar_cursor>(s.req->sampling.grammar, *vocab_);
         sampling_params p = s.req->sampling;
-        p.seed += 0x9e3779b97f4a7c15ULL * (s.res.tokens.size() + 1);
+        p.seed = mix_seed(p.seed, s.res.tokens.size());
         sr = sample_constrained(row, s.tokens, *s.grammar, s.res.tokens, p);
       } else {
         sr = s.samp.sample(row, s.tokens);

@@ -435,12 +435,15 @@ void json_matcher::step_alt(state& out, uint32_t ai, uint8_t c, int fuel) const 
     const json_node& x = g_->node(f.node);
     const bool ws = is_ws(c);
     if (!ws && f.phase != str_in) h.ws = 0;
+    // Whitespace between tokens: where a value, key, ':', ',' or a closing bracket may come next
+    // (a bare grammar's root value takes none before it).
+    if (ws && (f.phase == start || f.phase == obj_open || f.phase == obj_expect_key || f.phase == obj_after_key ||
+               f.phase == obj_after_value || f.phase == arr_open || f.phase == arr_after_comma || f.phase == arr_after_value)) {
+      if ((g_->bare() && f.phase == start && h.size == 1) || !take_ws(h.ws, c)) kill();
+      return;
+    }
     switch (f.phase) {
       case start: {
-        if (ws) {
-          if ((g_->bare() && h.size == 1) || !take_ws(h.ws, c)) kill();
-          return;
-        }
         switch (x.k) {
           case json_node::kind::any: {
             int32_t n;
@@ -495,10 +498,6 @@ void json_matcher::step_alt(state& out, uint32_t ai, uint8_t c, int fuel) const 
 
       case obj_open:
       case obj_expect_key:
-        if (ws) {
-          if (!take_ws(h.ws, c)) kill();
-          return;
-        }
         if (c == '}' && f.phase == obj_open) {
           if (required_left(x, f.pos)) return kill();
           complete();
@@ -550,10 +549,6 @@ void json_matcher::step_alt(state& out, uint32_t ai, uint8_t c, int fuel) const 
       }
 
       case obj_after_key: {
-        if (ws) {
-          if (!take_ws(h.ws, c)) kill();
-          return;
-        }
         if (c != ':') return kill();
         int32_t value = x.additional;
         if (f.t >= 0) {
@@ -566,10 +561,6 @@ void json_matcher::step_alt(state& out, uint32_t ai, uint8_t c, int fuel) const 
       }
 
       case obj_after_value:
-        if (ws) {
-          if (!take_ws(h.ws, c)) kill();
-          return;
-        }
         if (c == ',') {
           if (allowed_keys(x, f.pos) == 0 && x.additional < 0) return kill();
           f.phase = obj_expect_key;
@@ -584,10 +575,6 @@ void json_matcher::step_alt(state& out, uint32_t ai, uint8_t c, int fuel) const 
 
       case arr_open:
       case arr_after_comma:
-        if (ws) {
-          if (!take_ws(h.ws, c)) kill();
-          return;
-        }
         if (c == ']' && f.phase == arr_open) {
           if (x.min_items > 0) return kill();
           complete();
@@ -600,10 +587,6 @@ void json_matcher::step_alt(state& out, uint32_t ai, uint8_t c, int fuel) const 
         continue;  // the byte starts the item
 
       case arr_after_value:
-        if (ws) {
-          if (!take_ws(h.ws, c)) kill();
-          return;
-        }
         if (c == ',') {
           if (x.max_items >= 0 && f.count >= x.max_items) return kill();
           f.phase = arr_after_comma;

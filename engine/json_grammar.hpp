@@ -138,6 +138,7 @@ class vocab_index {
   int32_t n_vocab() const { return n_vocab_; }
   std::string_view bytes(int32_t id) const;
   bool is_eog(int32_t id) const;
+  const std::vector<int32_t>& eog_ids() const { return eog_ids_; }
 
  private:
   friend class json_matcher;

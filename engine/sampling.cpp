@@ -503,6 +503,13 @@ std::string stop_matcher::flush() {
 // ---------------------------------------------------------------------------------------------
 // structured output
 
+uint64_t mix_seed(uint64_t seed, uint64_t index) {
+  uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (index + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
 grammar_cursor::grammar_cursor(std::shared_ptr<const json_grammar> g, const vocab_index& v)
     : g_(std::move(g)), v_(&v), m_(std::make_unique<json_matcher>(*g_, v)) {}
 grammar_cursor::~grammar_cursor() = default;
@@ -527,8 +534,7 @@ sample_result sample_constrained(std::span<float> logits, std::span<const int32_
   const vocab_index& vocab = cursor.vocab();
   const auto end_token = [&] {
     sample_result r{};
-    for (int32_t id = 0; id < vocab.n_vocab(); ++id)
-      if (vocab.is_eog(id)) return r.token = id, r;
+    if (!vocab.eog_ids().empty()) r.token = vocab.eog_ids().front();
     return r;
   };
   if (!cursor.sync(generated)) return end_token();

@@ -119,6 +119,10 @@ class sampler {
   std::vector<std::pair<int32_t, float>> saved_;     // scratch: raw logits overwritten by penalties
 };
 
+/// The seed of draw `index` of a sequence seeded with `seed` (splitmix64 of the pair): a
+/// sequence's draws are independent and reproducible whatever steps they fall in.
+uint64_t mix_seed(uint64_t seed, uint64_t index);
+
 /// One sequence's place in its grammar (sampling_params::grammar), kept across steps: sync()
 /// feeds the matcher only the tokens generated since the last call, or replays all of them when
 /// the history is not the one it followed (a preempted and recomputed sequence).

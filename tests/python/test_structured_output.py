@@ -6,7 +6,6 @@ it would write greedily, so the outputs exercise the grammar's masks rather than
 habits. One server for the module.
 """
 
-import http.client
 import json
 import pathlib
 
@@ -15,7 +14,7 @@ import pytest
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from serve_util import MODEL, TROUPE, running_server  # noqa: E402
+from serve_util import MODEL, TROUPE, request, running_server  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (pathlib.Path(TROUPE).exists() and MODEL.exists()),
                                 reason="needs build/troupe and models/default.gguf")
@@ -55,13 +54,8 @@ TREE = {
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
-def request(port, body, path="/v1/chat/completions"):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    raw = resp.read()
-    conn.close()
-    return resp.status, json.loads(raw) if raw else None
+def chat(port, body):
+    return request(port, "POST", "/v1/chat/completions", body)
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +121,9 @@ def test_streamed_output_validates(client):
 
 
 def test_completions_endpoint_takes_response_format(server):
-    st, body = request(server[0], {"model": "default", "prompt": "Here is a color:", "max_tokens": 40,
-                                   "temperature": 0.7, "seed": 1,
-                                   "response_format": schema_format({"enum": ["red", "green", "blue"]})},
-                       path="/v1/completions")
+    st, body = request(server[0], "POST", "/v1/completions",
+                       {"model": "default", "prompt": "Here is a color:", "max_tokens": 40, "temperature": 0.7, "seed": 1,
+                        "response_format": schema_format({"enum": ["red", "green", "blue"]})})
     assert st == 200, body
     assert json.loads(body["choices"][0]["text"]) in ("red", "green", "blue")
 
@@ -140,23 +133,23 @@ def test_llama_cpp_and_vllm_fields(server):
     color = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]}
     base = {"model": "default", "messages": MESSAGES, "max_tokens": 60, "temperature": 0.8, "seed": 2}
     for field, value in [("json_schema", color), ("guided_json", color), ("guided_json", json.dumps(color))]:
-        st, body = request(port, dict(base, **{field: value}))
+        st, body = chat(port, dict(base, **{field: value}))
         assert st == 200, body
         jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), color)
     choices = ["positive", "negative", "neutral"]
     for seed in range(3):
-        st, body = request(port, dict(base, seed=seed, guided_choice=choices))
+        st, body = chat(port, dict(base, seed=seed, guided_choice=choices))
         assert st == 200, body
         assert body["choices"][0]["message"]["content"] in choices  # exactly one, unquoted
     for bad, word in [(dict(base, guided_choice=[]), "guided_choice"), (dict(base, guided_choice=["a", 3]), "guided_choice"),
                       (dict(base, guided_json="{not json"), "guided_json"),
                       (dict(base, json_schema=color, guided_choice=choices), "give one"),
                       (dict(base, response_format={"type": "json_object"}, guided_json=color), "give one")]:
-        st, body = request(port, bad)
+        st, body = chat(port, bad)
         assert st == 400, body
         assert word in body["error"]["message"]
     # response_format "text" is no constraint, so it combines with one
-    st, body = request(port, dict(base, response_format={"type": "text"}, guided_choice=choices))
+    st, body = chat(port, dict(base, response_format={"type": "text"}, guided_choice=choices))
     assert st == 200 and body["choices"][0]["message"]["content"] in choices
 
 
@@ -175,7 +168,7 @@ def test_llama_cpp_and_vllm_fields(server):
     (schema_format({"anyOf": [{"$ref": "#"}]}), "anyOf"),
 ])
 def test_bad_response_format_is_a_400_naming_it(server, client, fmt, word):
-    st, body = request(server[0], {"model": "default", "messages": MESSAGES, "max_tokens": 4, "response_format": fmt})
+    st, body = chat(server[0], {"model": "default", "messages": MESSAGES, "max_tokens": 4, "response_format": fmt})
     assert st == 400, body
     assert body["error"]["param"] == "response_format"
     assert word in body["error"]["message"]
