@@ -65,11 +65,27 @@ cuda_forward::~cuda_forward() {
     synchronize();
   } catch (const kc::cuda_error&) {  // a failed device: release what can be released
   }
-  for (auto& [key, g] : graphs_) cudaGraphExecDestroy(g);
+  drop_graphs();
   if (logits_registered_) cudaHostUnregister(logits_.data());
 }
 
+void cuda_forward::drop_graphs() {
+  for (auto& [key, g] : graphs_) cudaGraphExecDestroy(g);
+  graphs_.clear();
+}
+
+void cuda_forward::set_decode_options(bool bf16_gemv, size_t l2_prefetch_bytes) {
+  synchronize();
+  drop_graphs();
+  opt_.bf16_gemv = bf16_gemv;
+  opt_.l2_prefetch_bytes = l2_prefetch_bytes;
+  int l2 = 0;
+  kc::check(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device_), "cudaDeviceGetAttribute");
+  prefetch_cap_ = std::min(l2_prefetch_bytes, (size_t)l2 / 2);
+}
+
 void cuda_forward::setup() {
+  set_decode_options(opt_.bf16_gemv, opt_.l2_prefetch_bytes);
   const model_hparams& hp = hparams();
   if (hp.head_dim != 64 && hp.head_dim != 128)
     throw std::invalid_argument("cuda_forward: head size " + std::to_string(hp.head_dim) + " (the CUDA attention takes 64 or 128)");
@@ -360,6 +376,22 @@ void cuda_forward::linear(const dev_matrix& w, const bf16* x, bf16* y, int rows,
   }
 }
 
+// The bytes linear() will read of w at `rows` rows.
+void cuda_forward::prefetch(const dev_matrix& w, int rows, cudaStream_t s) {
+  if (w.raw && rows <= gemv_max_batch) prefetch(w.raw, w.raw_bytes, s);
+  else if (w.w) prefetch(w.w, (size_t)(w.n_out * w.n_in) * sizeof(bf16), s);
+}
+
+// Forks the prefetch stream off `s` here (after the work enqueued so far, the GEMM before) and
+// requests the first prefetch_cap_ bytes; run_layers joins the fork before it returns.
+void cuda_forward::prefetch(const void* p, size_t bytes, cudaStream_t s) {
+  if (!prefetching_ || p == nullptr) return;
+  kc::check(cudaEventRecord(fork_.get(), s), "cudaEventRecord");
+  kc::check(cudaStreamWaitEvent(prefetch_.get(), fork_.get(), 0), "cudaStreamWaitEvent");
+  kc::l2_prefetch(p, std::min(bytes, prefetch_cap_), prefetch_.get());
+  prefetch_joined_ = false;
+}
+
 void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
   const model_hparams& hp = hparams();
   const int n = p.n_tokens, d = hp.d_model;
@@ -399,20 +431,33 @@ void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
 
   float* x = x_.as<float>();
   bf16 *h = h_.as<bf16>(), *y = y_.as<bf16>();
+  // Decode steps prefetch each GEMM's weights into L2 after the GEMM before it: the kernels in
+  // between (norm, RoPE, attention, SwiGLU) leave HBM idle.
+  prefetching_ = p.decode && prefetch_cap_ > 0;
   kc::embed_rows(weights_.token_embd(), at(off_.tokens), x, n, d, s);
   for (int il = 0; il < hp.n_layers; ++il) {
     const dev_layer& L = weights_.layer(il);
+    prefetch(L.qkv, n, s);
     kc::add_rmsnorm(x, il == 0 ? nullptr : y, L.attn_norm, h, n, d, hp.norm_eps, s);
     linear(L.qkv, h, qkv_.as<bf16>(), n, s);
+    prefetch(L.o, n, s);
     kc::rope_qkv_store(qkv_.as<bf16>(), L.bq, L.bk, L.bv, rp, st, kv, il, q_.as<bf16>(), s);
     kc::paged_attention(q_.as<bf16>(), st, kv, il, hp.n_heads, scale, attn_.as<bf16>(), sc, s);
     linear(L.o, attn_.as<bf16>(), y, n, s);
+    prefetch(L.gate_up, n, s);
     kc::add_rmsnorm(x, y, L.ffn_norm, h, n, d, hp.norm_eps, s);
     linear(L.gate_up, h, gu_.as<bf16>(), n, s);
+    prefetch(L.down, n, s);
     kc::swiglu(gu_.as<bf16>(), act_.as<bf16>(), n, hp.d_ff, s);
     linear(L.down, act_.as<bf16>(), y, n, s);
   }
+  if (p.decode) prefetch(weights_.output().w, (size_t)(weights_.output().n_out * weights_.output().n_in) * sizeof(bf16), s);
   kc::add_rmsnorm(x, y, weights_.output_norm(), h, n, d, hp.norm_eps, s);
+  if (!prefetch_joined_) {  // a capture must end with every forked stream joined
+    kc::check(cudaEventRecord(prefetch_done_.get(), prefetch_.get()), "cudaEventRecord");
+    kc::check(cudaStreamWaitEvent(s, prefetch_done_.get(), 0), "cudaStreamWaitEvent");
+    prefetch_joined_ = true;
+  }
 }
 
 // Logits of output rows [first, first + count) into logits_dev_ rows [0, count).

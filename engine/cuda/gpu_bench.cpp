@@ -16,7 +16,8 @@
 //   decode_b*_gemm_only_step: the step's weight GEMMs alone (cuBLASLt, weights not in L2), and
 //   their share of the step: the rest is attention, norms, RoPE, sampling and launch gaps.
 // - decode_b{1,8}_gemv_*: the same steps with cuda_options::bf16_gemv (gemv_bf16 for the layers'
-//   weights instead of cuBLASLt).
+//   weights instead of cuBLASLt); decode_b*_pfM_*: with cuda_options::l2_prefetch_bytes = M MiB
+//   (1024: the cap, half the L2); decode_b1_gemv_gemm_*: the GEMVs alone, as the GEMMs above.
 // - prefill_2048: one 2048-token chunk, best of 3; FLOPs = 2 * layer params * tokens + 2 * head
 //   params (one logits row) + causal attention 4 * n_heads * head_dim * T(T+1)/2 per layer.
 #include <algorithm>
@@ -83,8 +84,11 @@ double gemm_rate(ec::gemm_runner& g, cudaStream_t s, int m, int n, int k) {
 // and the output head (fp32 logits). Each shape has enough weight copies, used in turn, that the
 // L2 (60 MB) never holds the next one, as in the model, where every layer reads fresh weights.
 // With the step time this splits a decode step into GEMMs and the rest (attention, norms, RoPE,
-// sampling, launch gaps).
-double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams& hp, int batch) {
+// sampling, launch gaps). gemv: the layers' matrices through kernels::cuda::gemv_bf16 instead
+// (the head stays on cuBLASLt: fp32 logits). Prints each shape's weight read rate (GB/s) as
+// `tag`_N_K_GBps.
+double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams& hp, int batch, bool gemv,
+                        const std::string& tag) {
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim;
   const int64_t qkv = qd + 2 * (int64_t)hp.n_kv_heads * hp.head_dim;
   const int64_t shapes[5][2] = {{qkv, d}, {d, qd}, {2 * (int64_t)hp.d_ff, d}, {d, hp.d_ff}, {hp.n_vocab, d}};
@@ -102,11 +106,17 @@ double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams&
       ec::fill_uniform_bf16(w.back().as<ec::bf16>(), (int64_t)n * k, 0.02f, 10 + c, s);
     }
     int next = 0;
-    const ec::gemm_out out = i == 4 ? ec::gemm_out::f32 : ec::gemm_out::bf16;
+    const bool head = i == 4;
+    const ec::gemm_out out = head ? ec::gemm_out::f32 : ec::gemm_out::bf16;
     const double t = time_on_stream(s, copies, 4 * copies, [&] {
-      g.run(x.as<ec::bf16>(), w[(size_t)(next++ % copies)].as<ec::bf16>(), y.as<void>(), out, batch, n, k, s);
+      const ec::bf16* wi = w[(size_t)(next++ % copies)].as<ec::bf16>();
+      if (gemv && !head)
+        kc::gemv_bf16(wi, n, k, x.as<ec::bf16>(), y.as<ec::bf16>(), batch, s);
+      else
+        g.run(x.as<ec::bf16>(), wi, y.as<void>(), out, batch, n, k, s);
     });
-    total += (i == 4 ? 1 : hp.n_layers) * t;
+    line(tag + "_" + std::to_string(n) + "_" + std::to_string(k) + "_GBps", (double)bytes / t / 1e9, "GB/s");
+    total += (head ? 1 : hp.n_layers) * t;
   }
   return total;
 }
@@ -226,7 +236,7 @@ void run(const args& a) {
   for (int batch : {1, 8, 64, 256}) {
     const std::string b = "decode_b" + std::to_string(batch);
     const double t = decode_step_time(*f, batch, a);
-    const double t_gemm = decode_gemm_time(decode_gemms, s, hp, batch);
+    const double t_gemm = decode_gemm_time(decode_gemms, s, hp, batch, false, b + "_gemm");
     line(b + "_gemm_only_step", t_gemm * 1e3, "ms");
     line(b + "_gemm_share", t_gemm / t, "x");
     const double roofline = roofline_of(batch);
@@ -238,6 +248,33 @@ void run(const args& a) {
   line("decode_graphs", (double)f->n_graphs(), "captured");
   if (!f->graph_error().empty()) std::printf("# CUDA graphs off after a failed capture: %s\n", f->graph_error().c_str());
   {
+    // Small batches through gemv_bf16 (its GEMVs alone, then whole steps), and decode steps that
+    // prefetch each GEMM's weights into L2 (cuda_options::l2_prefetch_bytes, MiB in the names;
+    // the forward caps it at half the L2), all on the same model.
+    int l2 = 0;
+    kc::check(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, a.device), "cudaDeviceGetAttribute");
+    line("l2_cache", l2 / 1048576.0, "MiB");
+    const double t_gemv = decode_gemm_time(decode_gemms, s, hp, 1, true, "decode_b1_gemv_gemm");
+    line("decode_b1_gemv_gemm_only_step", t_gemv * 1e3, "ms");
+    line("decode_b1_gemv_gemm_only_over_roofline", t_gemv / roofline_of(1), "x");
+    auto variant = [&](int batch, bool gemv, int prefetch_mib) {
+      f->set_decode_options(gemv, (size_t)prefetch_mib << 20);
+      std::string b = "decode_b" + std::to_string(batch) + (gemv ? "_gemv" : "");
+      if (prefetch_mib > 0) b += "_pf" + std::to_string(prefetch_mib);
+      const double t = decode_step_time(*f, batch, a);
+      line(b + "_step", t * 1e3, "ms");
+      line(b + "_tokens_per_s", batch / t, "tok/s");
+      line(b + "_time_over_roofline", t / roofline_of(batch), "x");
+    };
+    for (int batch : {1, 8})
+      for (bool gemv : {false, true})
+        for (int mib : {0, 8, 16, 1024})
+          if (gemv || mib > 0) variant(batch, gemv, mib);
+    for (int batch : {64, 256})
+      for (int mib : {16, 1024}) variant(batch, false, mib);
+    f->set_decode_options(false, 0);
+  }
+  {
     ec::cuda_options eo = o;
     eo.use_graphs = false;
     eo.n_blocks = kv_blocks_for(a.context, bs) + 1;
@@ -245,18 +282,6 @@ void run(const args& a) {
     auto e = ec::cuda_forward::synthetic(a.arch, eo);
     line("decode_b1_eager_step", decode_step_time(*e, 1, a) * 1e3, "ms");
     e.reset();
-    // Small batches through gemv_bf16 instead of cuBLASLt (cuda_options::bf16_gemv).
-    ec::cuda_options go = o;
-    go.bf16_gemv = true;
-    auto gm = ec::cuda_forward::synthetic(a.arch, go);
-    for (int batch : {1, 8}) {
-      const std::string b = "decode_b" + std::to_string(batch) + "_gemv";
-      const double t = decode_step_time(*gm, batch, a);
-      line(b + "_step", t * 1e3, "ms");
-      line(b + "_tokens_per_s", batch / t, "tok/s");
-      line(b + "_time_over_roofline", t / roofline_of(batch), "x");
-    }
-    gm.reset();
     f = ec::cuda_forward::synthetic(a.arch, o);
   }
 

@@ -52,6 +52,12 @@ void add_residual(float* residual, const bf16* add, int rows, int n, cudaStream_
 /// [d_ff, 2 d_ff)); out bf16 [rows, d_ff] = silu(gate) * up, computed in fp32.
 void swiglu(const bf16* gu, bf16* out, int rows, int d_ff, cudaStream_t stream);
 
+/// Asks the L2 to fetch bytes [p, p + bytes) from HBM (p and bytes rounded inward to 16 bytes);
+/// returns as soon as the requests are issued (cp.async.bulk.prefetch on sm_90, no completion).
+/// Changes no data: a decode step launches it on a side stream for the weights of its next GEMM,
+/// so that HBM, idle while the element-wise and attention kernels run, brings them in meanwhile.
+void l2_prefetch(const void* p, size_t bytes, cudaStream_t stream);
+
 /// Float -> bf16 conversion of n values (weights on load; tests).
 void f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream);
 /// bf16 -> float conversion of n values.

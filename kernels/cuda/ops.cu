@@ -227,6 +227,24 @@ void convert(const In* in, Out* out, int64_t n, cudaStream_t stream, const char*
   check_launch(name);
 }
 
+// ---- L2 prefetch ---------------------------------------------------------------------------------
+
+constexpr uint32_t prefetch_chunk = 4096;  // bytes per prefetch request
+constexpr int prefetch_threads = 32;
+constexpr int prefetch_max_blocks = 256;   // requests spread over many SMs' copy engines
+
+__global__ void l2_prefetch_kernel(const char* p, int64_t n_chunks, uint32_t last_bytes) {
+  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < n_chunks; c += int64_t(gridDim.x) * blockDim.x) {
+    const char* at = p + c * prefetch_chunk;
+    const uint32_t size = c == n_chunks - 1 ? last_bytes : prefetch_chunk;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(size) : "memory");
+#else
+    for (uint32_t o = 0; o < size; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(at + o));
+#endif
+  }
+}
+
 // ---- RoPE + KV write ---------------------------------------------------------------------------
 
 // Grid (token rows, Q heads + K heads + 1): a CTA rotates one Q or K head of one row (work item
@@ -329,6 +347,19 @@ void swiglu(const bf16* gu, bf16* out, int rows, int d_ff, cudaStream_t stream) 
   else
     swiglu_kernel<1><<<swiglu_grid(rows, d_ff, 1), row_threads, 0, stream>>>(gu, out, rows, d_ff);
   check_launch("swiglu");
+}
+
+void l2_prefetch(const void* p, size_t bytes, cudaStream_t stream) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t first = (a + 15) & ~uintptr_t{15}, end = (a + bytes) & ~uintptr_t{15};
+  if (p == nullptr || end <= first) return;
+  const uint64_t n = end - first;
+  const int64_t n_chunks = int64_t((n + prefetch_chunk - 1) / prefetch_chunk);
+  const auto last = uint32_t(n - uint64_t(n_chunks - 1) * prefetch_chunk);
+  const int64_t want = (n_chunks + prefetch_threads - 1) / prefetch_threads;
+  const int blocks = int(want < prefetch_max_blocks ? want : prefetch_max_blocks);
+  l2_prefetch_kernel<<<blocks, prefetch_threads, 0, stream>>>(reinterpret_cast<const char*>(first), n_chunks, last);
+  check_launch("l2_prefetch");
 }
 
 void f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream) {

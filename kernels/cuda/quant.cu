@@ -188,7 +188,10 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_kernel(const uint8_t* __
 // 67-72% of the copy rate on an H200 (docs/perf.md §4). One warp per output row, each lane 16-byte
 // loads of 8 weights, gemv_bf16_unroll of them in flight before the first is used; the
 // activations (a few KB, shared by every warp) come through L1.
-constexpr int gemv_bf16_unroll = 4;
+// 8 at one or two rows (a Llama-3-8B row of 4,096 weights is then two trips of 4 KB per warp in
+// flight), 4 above, where each weight load also feeds B activation loads.
+template <int B>
+constexpr int gemv_bf16_unroll = B <= 2 ? 8 : 4;
 
 __device__ __forceinline__ void bf16x8(const uint4& raw, float (&f)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
@@ -225,7 +228,7 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_kernel(const bf16* 
   float acc[B];
 #pragma unroll
   for (int b = 0; b < B; ++b) acc[b] = 0.0f;
-  constexpr int U = gemv_bf16_unroll;
+  constexpr int U = gemv_bf16_unroll<B>;
   int64_t v = lane;
   for (; v + 32 * (U - 1) < n_vec; v += 32 * U) {
     uint4 wr[U];
