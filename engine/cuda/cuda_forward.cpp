@@ -74,18 +74,14 @@ void cuda_forward::drop_graphs() {
   graphs_.clear();
 }
 
-void cuda_forward::set_decode_options(bool bf16_gemv, size_t l2_prefetch_bytes) {
+void cuda_forward::set_launch_options(int bf16_gemv_rows, bool pdl) {
   synchronize();
   drop_graphs();
-  opt_.bf16_gemv = bf16_gemv;
-  opt_.l2_prefetch_bytes = l2_prefetch_bytes;
-  int l2 = 0;
-  kc::check(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device_), "cudaDeviceGetAttribute");
-  prefetch_cap_ = std::min(l2_prefetch_bytes, (size_t)l2 / 2);
+  opt_.bf16_gemv_rows = bf16_gemv_rows;
+  opt_.pdl = pdl;
 }
 
 void cuda_forward::setup() {
-  set_decode_options(opt_.bf16_gemv, opt_.l2_prefetch_bytes);
   const model_hparams& hp = hparams();
   if (hp.head_dim != 64 && hp.head_dim != 128)
     throw std::invalid_argument("cuda_forward: head size " + std::to_string(hp.head_dim) + " (the CUDA attention takes 64 or 128)");
@@ -366,7 +362,7 @@ void cuda_forward::stage_sampling(plan& p, std::span<const kc::sample_row_params
 void cuda_forward::linear(const dev_matrix& w, const bf16* x, bf16* y, int rows, cudaStream_t s) {
   if (w.raw && rows <= gemv_max_batch) {
     kc::gemv_quant(w.qt, w.raw, w.n_out, w.n_in, x, y, rows, s);
-  } else if (w.w && opt_.bf16_gemv && rows <= gemv_max_batch && w.n_in % 8 == 0) {
+  } else if (w.w && rows <= std::min(opt_.bf16_gemv_rows, gemv_max_batch) && w.n_in % 8 == 0) {
     kc::gemv_bf16(w.w, w.n_out, w.n_in, x, y, rows, s);
   } else if (w.w) {
     gemm_.run(x, w.w, y, gemm_out::bf16, rows, (int)w.n_out, (int)w.n_in, s);
@@ -374,22 +370,6 @@ void cuda_forward::linear(const dev_matrix& w, const bf16* x, bf16* y, int rows,
     kc::dequant_to_bf16(w.qt, w.raw, w.n_out * w.n_in, expand_.as<bf16>(), s);
     gemm_.run(x, expand_.as<bf16>(), y, gemm_out::bf16, rows, (int)w.n_out, (int)w.n_in, s);
   }
-}
-
-// The bytes linear() will read of w at `rows` rows.
-void cuda_forward::prefetch(const dev_matrix& w, int rows, cudaStream_t s) {
-  if (w.raw && rows <= gemv_max_batch) prefetch(w.raw, w.raw_bytes, s);
-  else if (w.w) prefetch(w.w, (size_t)(w.n_out * w.n_in) * sizeof(bf16), s);
-}
-
-// Forks the prefetch stream off `s` here (after the work enqueued so far, the GEMM before) and
-// requests the first prefetch_cap_ bytes; run_layers joins the fork before it returns.
-void cuda_forward::prefetch(const void* p, size_t bytes, cudaStream_t s) {
-  if (!prefetching_ || p == nullptr) return;
-  kc::check(cudaEventRecord(fork_.get(), s), "cudaEventRecord");
-  kc::check(cudaStreamWaitEvent(prefetch_.get(), fork_.get(), 0), "cudaStreamWaitEvent");
-  kc::l2_prefetch(p, std::min(bytes, prefetch_cap_), prefetch_.get());
-  prefetch_joined_ = false;
 }
 
 void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
@@ -431,33 +411,21 @@ void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
 
   float* x = x_.as<float>();
   bf16 *h = h_.as<bf16>(), *y = y_.as<bf16>();
-  // Decode steps prefetch each GEMM's weights into L2 after the GEMM before it: the kernels in
-  // between (norm, RoPE, attention, SwiGLU) leave HBM idle.
-  prefetching_ = p.decode && prefetch_cap_ > 0;
-  kc::embed_rows(weights_.token_embd(), at(off_.tokens), x, n, d, s);
+  kc::embed_rows(weights_.token_embd(), at(off_.tokens), x, n, d, s);  // after the layout copy: a plain launch
+  const kc::pdl_scope pdl(opt_.pdl);
   for (int il = 0; il < hp.n_layers; ++il) {
     const dev_layer& L = weights_.layer(il);
-    prefetch(L.qkv, n, s);
     kc::add_rmsnorm(x, il == 0 ? nullptr : y, L.attn_norm, h, n, d, hp.norm_eps, s);
     linear(L.qkv, h, qkv_.as<bf16>(), n, s);
-    prefetch(L.o, n, s);
     kc::rope_qkv_store(qkv_.as<bf16>(), L.bq, L.bk, L.bv, rp, st, kv, il, q_.as<bf16>(), s);
     kc::paged_attention(q_.as<bf16>(), st, kv, il, hp.n_heads, scale, attn_.as<bf16>(), sc, s);
     linear(L.o, attn_.as<bf16>(), y, n, s);
-    prefetch(L.gate_up, n, s);
     kc::add_rmsnorm(x, y, L.ffn_norm, h, n, d, hp.norm_eps, s);
     linear(L.gate_up, h, gu_.as<bf16>(), n, s);
-    prefetch(L.down, n, s);
     kc::swiglu(gu_.as<bf16>(), act_.as<bf16>(), n, hp.d_ff, s);
     linear(L.down, act_.as<bf16>(), y, n, s);
   }
-  if (p.decode) prefetch(weights_.output().w, (size_t)(weights_.output().n_out * weights_.output().n_in) * sizeof(bf16), s);
   kc::add_rmsnorm(x, y, weights_.output_norm(), h, n, d, hp.norm_eps, s);
-  if (!prefetch_joined_) {  // a capture must end with every forked stream joined
-    kc::check(cudaEventRecord(prefetch_done_.get(), prefetch_.get()), "cudaEventRecord");
-    kc::check(cudaStreamWaitEvent(s, prefetch_done_.get(), 0), "cudaStreamWaitEvent");
-    prefetch_joined_ = true;
-  }
 }
 
 // Logits of output rows [first, first + count) into logits_dev_ rows [0, count).

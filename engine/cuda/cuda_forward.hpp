@@ -65,16 +65,14 @@ struct cuda_options {
   /// Flash-decoding splits for decode rows (0: none).
   int attention_splits = 16;
   bool use_graphs = true;
-  /// Batches of at most gemv_max_batch rows multiply bf16 weights with kernels::cuda::gemv_bf16
-  /// instead of cuBLASLt. Off: on an H200 (Llama-3-8B shapes, docs/perf.md §4) it made a batch-1
-  /// decode step 3% faster (4.76 vs 4.90 ms) but batch 8 1.8x slower (9.8 vs 5.3 ms);
+  /// Steps of at most this many token rows (<= gemv_max_batch) multiply bf16 weights with
+  /// kernels::cuda::gemv_bf16 instead of cuBLASLt; 0: never. On an H200 (Llama-3-8B shapes,
+  /// docs/perf.md §4) the GEMV made a batch-1 decode step faster and batch 8 1.8x slower;
   /// troupe_gpu_bench reports both.
-  bool bf16_gemv = false;
-  /// Decode steps ask the L2 for up to this many bytes of each weight matrix right after the GEMM
-  /// before it (kernels::cuda::l2_prefetch, on a side stream), so that HBM fetches them while the
-  /// norms, RoPE and attention run; the GEMM then finds them in L2. 0: off. Capped at half the
-  /// device's L2.
-  size_t l2_prefetch_bytes = 0;
+  int bf16_gemv_rows = 0;
+  /// Launch the layers' kernels with programmatic dependent launch (kernels::cuda::pdl_scope):
+  /// each may start while the one before it finishes, and a GEMV starts reading its weights then.
+  bool pdl = true;
   /// Longest wait for the device before cuda_error.
   std::chrono::milliseconds sync_timeout{120000};
   /// Seed of synthetic weights.
@@ -128,9 +126,9 @@ class cuda_forward {
   size_t decode_bytes_per_token() const { return weights_.decode_bytes_per_token(); }
   /// Device bytes of weights, KV cache and scratch.
   size_t device_bytes() const;
-  /// Changes bf16_gemv and l2_prefetch_bytes for the next steps (waits for the device and drops
-  /// the captured graphs, which hold the old choice).
-  void set_decode_options(bool bf16_gemv, size_t l2_prefetch_bytes);
+  /// Changes bf16_gemv_rows and pdl for the next steps (waits for the device and drops the
+  /// captured graphs, which hold the old choice).
+  void set_launch_options(int bf16_gemv_rows, bool pdl);
   /// CUDA graphs captured so far.
   size_t n_graphs() const { return graphs_.size(); }
   /// Why decode steps stopped using CUDA graphs (a capture failed), or empty.
@@ -147,8 +145,6 @@ class cuda_forward {
   void launch(const plan& p);
   void run_layers(const plan& p, cudaStream_t s);
   void linear(const dev_matrix& w, const bf16* x, bf16* y, int rows, cudaStream_t s);
-  void prefetch(const dev_matrix& w, int rows, cudaStream_t s);
-  void prefetch(const void* p, size_t bytes, cudaStream_t s);
   void drop_graphs();
   void output_rows(const plan& p, int first, int count, cudaStream_t s);
   cudaGraphExec_t capture(const plan& p, cudaStream_t s);
@@ -158,12 +154,9 @@ class cuda_forward {
   // Declared first: the device is selected before any member allocates.
   cuda_options opt_;
   int device_ = 0;
-  stream_handle compute_, copy_, prefetch_;
-  event_handle copies_done_, step_done_, sync_event_, fork_, prefetch_done_;
+  stream_handle compute_, copy_;
+  event_handle copies_done_, step_done_, sync_event_;
   bool copies_pending_ = false;
-  bool prefetching_ = false;   // this step's L2 prefetches are on (a decode step, l2_prefetch_bytes > 0)
-  bool prefetch_joined_ = true;  // the prefetch stream has no work the compute stream has not waited for
-  size_t prefetch_cap_ = 0;    // l2_prefetch_bytes capped at half the L2
   device_weights weights_;
   gemm_runner gemm_;
 

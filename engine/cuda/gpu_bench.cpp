@@ -15,9 +15,10 @@
 //   KV bytes read per step, over the measured copy bandwidth (read + write counted once each).
 //   decode_b*_gemm_only_step: the step's weight GEMMs alone (cuBLASLt, weights not in L2), and
 //   their share of the step: the rest is attention, norms, RoPE, sampling and launch gaps.
-// - decode_b{1,8}_gemv_*: the same steps with cuda_options::bf16_gemv (gemv_bf16 for the layers'
-//   weights instead of cuBLASLt); decode_b*_pfM_*: with cuda_options::l2_prefetch_bytes = M MiB
-//   (1024: the cap, half the L2); decode_b1_gemv_gemm_*: the GEMVs alone, as the GEMMs above.
+// - decode_b*_gemv_*: the same steps with cuda_options::bf16_gemv_rows (gemv_bf16 for the
+//   layers' weights instead of cuBLASLt); decode_b*_nopdl_*: with cuda_options::pdl off (plain
+//   launches); decode_b1_gemv[_pdl]_gemm_*: the GEMVs alone as the GEMMs above, launched plainly
+//   or with programmatic dependent launch (each starts loading while the one before finishes).
 // - prefill_2048: one 2048-token chunk, best of 3; FLOPs = 2 * layer params * tokens + 2 * head
 //   params (one logits row) + causal attention 4 * n_heads * head_dim * T(T+1)/2 per layer.
 #include <algorithm>
@@ -85,10 +86,11 @@ double gemm_rate(ec::gemm_runner& g, cudaStream_t s, int m, int n, int k) {
 // L2 (60 MB) never holds the next one, as in the model, where every layer reads fresh weights.
 // With the step time this splits a decode step into GEMMs and the rest (attention, norms, RoPE,
 // sampling, launch gaps). gemv: the layers' matrices through kernels::cuda::gemv_bf16 instead
-// (the head stays on cuBLASLt: fp32 logits). Prints each shape's weight read rate (GB/s) as
-// `tag`_N_K_GBps.
-double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams& hp, int batch, bool gemv,
+// (the head stays on cuBLASLt: fp32 logits), with programmatic dependent launch when pdl. Prints
+// each shape's weight read rate (GB/s) as `tag`_N_K_GBps.
+double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams& hp, int batch, bool gemv, bool pdl,
                         const std::string& tag) {
+  const kc::pdl_scope scope(pdl);
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim;
   const int64_t qkv = qd + 2 * (int64_t)hp.n_kv_heads * hp.head_dim;
   const int64_t shapes[5][2] = {{qkv, d}, {d, qd}, {2 * (int64_t)hp.d_ff, d}, {d, hp.d_ff}, {hp.n_vocab, d}};
@@ -236,7 +238,7 @@ void run(const args& a) {
   for (int batch : {1, 8, 64, 256}) {
     const std::string b = "decode_b" + std::to_string(batch);
     const double t = decode_step_time(*f, batch, a);
-    const double t_gemm = decode_gemm_time(decode_gemms, s, hp, batch, false, b + "_gemm");
+    const double t_gemm = decode_gemm_time(decode_gemms, s, hp, batch, false, false, b + "_gemm");
     line(b + "_gemm_only_step", t_gemm * 1e3, "ms");
     line(b + "_gemm_share", t_gemm / t, "x");
     const double roofline = roofline_of(batch);
@@ -248,31 +250,27 @@ void run(const args& a) {
   line("decode_graphs", (double)f->n_graphs(), "captured");
   if (!f->graph_error().empty()) std::printf("# CUDA graphs off after a failed capture: %s\n", f->graph_error().c_str());
   {
-    // Small batches through gemv_bf16 (its GEMVs alone, then whole steps), and decode steps that
-    // prefetch each GEMM's weights into L2 (cuda_options::l2_prefetch_bytes, MiB in the names;
-    // the forward caps it at half the L2), all on the same model.
-    int l2 = 0;
-    kc::check(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, a.device), "cudaDeviceGetAttribute");
-    line("l2_cache", l2 / 1048576.0, "MiB");
-    const double t_gemv = decode_gemm_time(decode_gemms, s, hp, 1, true, "decode_b1_gemv_gemm");
-    line("decode_b1_gemv_gemm_only_step", t_gemv * 1e3, "ms");
-    line("decode_b1_gemv_gemm_only_over_roofline", t_gemv / roofline_of(1), "x");
-    auto variant = [&](int batch, bool gemv, int prefetch_mib) {
-      f->set_decode_options(gemv, (size_t)prefetch_mib << 20);
-      std::string b = "decode_b" + std::to_string(batch) + (gemv ? "_gemv" : "");
-      if (prefetch_mib > 0) b += "_pf" + std::to_string(prefetch_mib);
+    // Small batches through gemv_bf16 (its GEMVs alone, then whole steps), and steps launched
+    // without programmatic dependent launch, all on the same model.
+    for (bool pdl : {false, true}) {
+      const std::string tag = pdl ? "decode_b1_gemv_pdl_gemm" : "decode_b1_gemv_gemm";
+      const double t_gemv = decode_gemm_time(decode_gemms, s, hp, 1, true, pdl, tag);
+      line(tag + "_only_step", t_gemv * 1e3, "ms");
+      line(tag + "_only_over_roofline", t_gemv / roofline_of(1), "x");
+    }
+    auto variant = [&](int batch, int gemv_rows, bool pdl) {
+      f->set_launch_options(gemv_rows, pdl);
+      const std::string b = "decode_b" + std::to_string(batch) + (gemv_rows >= batch ? "_gemv" : "") + (pdl ? "" : "_nopdl");
       const double t = decode_step_time(*f, batch, a);
       line(b + "_step", t * 1e3, "ms");
       line(b + "_tokens_per_s", batch / t, "tok/s");
       line(b + "_time_over_roofline", t / roofline_of(batch), "x");
     };
-    for (int batch : {1, 8})
-      for (bool gemv : {false, true})
-        for (int mib : {0, 8, 16, 1024})
-          if (gemv || mib > 0) variant(batch, gemv, mib);
-    for (int batch : {64, 256})
-      for (int mib : {16, 1024}) variant(batch, false, mib);
-    f->set_decode_options(false, 0);
+    for (int batch : {1, 8, 64}) variant(batch, 0, false);
+    for (int batch : {1, 2, 4, 8}) variant(batch, 8, true);
+    variant(1, 8, false);
+    for (int batch : {2, 4}) variant(batch, 0, true);
+    f->set_launch_options(o.bf16_gemv_rows, o.pdl);
   }
   {
     ec::cuda_options eo = o;

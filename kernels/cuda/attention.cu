@@ -17,6 +17,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/launch.cuh"
 
 namespace troupe::kernels::cuda {
 namespace {
@@ -128,6 +129,8 @@ __global__ void __launch_bounds__(pf_threads)
   fp16* k_smem = reinterpret_cast<fp16*>(smem_raw);  // [2][pf_tile_n][stride]
   fp16* v_smem = k_smem + 2 * pf_tile_n * stride;
 
+  pdl_launch_dependents();
+  pdl_wait();
   const int seq = blockIdx.y, kvh = blockIdx.z;
   const int q_begin = st.q_start[seq];
   const int q_len = st.q_start[seq + 1] - q_begin;
@@ -356,6 +359,8 @@ __global__ void __launch_bounds__(dec_threads)
   };
   __shared__ smem_t sm;
 
+  pdl_launch_dependents();
+  pdl_wait();
   const int seq = blockIdx.x;
   const int tok = st.q_start[seq];
   if (st.q_start[seq + 1] - tok != 1) return;  // prefill rows belong to prefill_kernel
@@ -509,6 +514,8 @@ template <int HD>
 __global__ void __launch_bounds__(HD)
     merge_kernel(step_layout st, int n_heads, int n_split_max, const float* __restrict__ part_out,
                  const float* __restrict__ part_ml, int max_splits, bf16* __restrict__ out) {
+  pdl_launch_dependents();
+  pdl_wait();
   const int seq = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
   const int tok = st.q_start[seq];
   if (st.q_start[seq + 1] - tok != 1) return;
@@ -542,7 +549,7 @@ void launch_prefill(const bf16* q, const step_layout& st, const kv_cache_view& k
   check(cudaFuncSetAttribute(prefill_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "paged_attention: cudaFuncSetAttribute");
   const dim3 grid((st.max_q_len + rows - 1) / rows, st.n_seqs, kv.n_kv_heads);
-  prefill_kernel<HD><<<grid, pf_threads, smem, stream>>>(q, st, kv, layer, n_heads, scale_log2, out);
+  launch(prefill_kernel<HD>, grid, pf_threads, smem, stream, q, st, kv, layer, n_heads, scale_log2, out);
   check_launch("paged_attention prefill_kernel");
 }
 
@@ -574,13 +581,12 @@ void launch_decode(const bf16* q, const step_layout& st, const kv_cache_view& kv
   const int cap = std::min(scratch.max_splits, std::max(1, (target + base_ctas - 1) / base_ctas));
   const int n_split_max = decode_splits(st.max_kv_len, cap);
   const dim3 grid(st.n_seqs, kv.n_kv_heads * head_chunks, n_split_max);
-  decode_kernel<HD, GT><<<grid, dec_threads, 0, stream>>>(q, st, kv, layer, n_heads, scale_log2, n_split_max, out,
-                                                          scratch.partial_out, scratch.partial_ml,
-                                                          scratch.max_splits);
+  launch(decode_kernel<HD, GT>, grid, dec_threads, 0, stream, q, st, kv, layer, n_heads, scale_log2, n_split_max, out,
+         scratch.partial_out, scratch.partial_ml, scratch.max_splits);
   check_launch("paged_attention decode_kernel");
   if (n_split_max > 1) {
-    merge_kernel<HD><<<dim3(st.n_seqs, n_heads), HD, 0, stream>>>(st, n_heads, n_split_max, scratch.partial_out,
-                                                                  scratch.partial_ml, scratch.max_splits, out);
+    launch(merge_kernel<HD>, dim3(st.n_seqs, n_heads), HD, 0, stream, st, n_heads, n_split_max, scratch.partial_out,
+           scratch.partial_ml, scratch.max_splits, out);
     check_launch("paged_attention merge_kernel");
   }
 }

@@ -2,6 +2,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/launch.cuh"
 
 namespace troupe::kernels::cuda {
 
@@ -15,6 +16,15 @@ void check(cudaError_t e, const char* what) {
 }
 
 void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
+
+namespace {
+thread_local bool pdl_on = false;
+}
+
+bool pdl_enabled() { return pdl_on; }
+
+pdl_scope::pdl_scope(bool on) : previous_(pdl_on) { pdl_on = on; }
+pdl_scope::~pdl_scope() { pdl_on = previous_; }
 
 int device_count() {
   int n = 0;

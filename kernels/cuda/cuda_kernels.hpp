@@ -34,6 +34,21 @@ void check_launch(const char* kernel);
 /// Number of CUDA devices (0 where there is no driver or no GPU; never throws).
 int device_count();
 
+/// While alive, the launches of add_rmsnorm, swiglu, rope_qkv_store, paged_attention and gemv_bf16
+/// made on this thread allow programmatic dependent launch (kernels/cuda/launch.cuh): each may
+/// start before the kernel ahead of it on the stream has finished, and waits for it inside.
+/// Ordinary launches (no scope, or `on` false) behave as before. Scopes nest.
+class pdl_scope {
+ public:
+  explicit pdl_scope(bool on);
+  ~pdl_scope();
+  pdl_scope(const pdl_scope&) = delete;
+  pdl_scope& operator=(const pdl_scope&) = delete;
+
+ private:
+  bool previous_;
+};
+
 // ---- element-wise and per-row ----------------------------------------------------------------
 
 /// out[r, :] = float(table[tokens[r], :]) for r in [0, rows). table is bf16 [n_vocab, d].
@@ -51,12 +66,6 @@ void add_residual(float* residual, const bf16* add, int rows, int n, cudaStream_
 /// SwiGLU over a fused gate|up GEMM output: gu bf16 [rows, 2 * d_ff] (gate in [0, d_ff), up in
 /// [d_ff, 2 d_ff)); out bf16 [rows, d_ff] = silu(gate) * up, computed in fp32.
 void swiglu(const bf16* gu, bf16* out, int rows, int d_ff, cudaStream_t stream);
-
-/// Asks the L2 to fetch bytes [p, p + bytes) from HBM (p and bytes rounded inward to 16 bytes);
-/// returns as soon as the requests are issued (cp.async.bulk.prefetch on sm_90, no completion).
-/// Changes no data: a decode step launches it on a side stream for the weights of its next GEMM,
-/// so that HBM, idle while the element-wise and attention kernels run, brings them in meanwhile.
-void l2_prefetch(const void* p, size_t bytes, cudaStream_t stream);
 
 /// Float -> bf16 conversion of n values (weights on load; tests).
 void f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream);

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/launch.cuh"
 
 namespace troupe::kernels::cuda {
 
@@ -124,6 +125,7 @@ int grid_for(int64_t n_items, int threads) {
 
 template <int V>
 __global__ void embed_rows_kernel(const bf16* table, const int32_t* tokens, float* out, int d) {
+  pdl_launch_dependents();  // launched plainly (it follows the layout copy); the next kernel may start
   const bf16* src = table + int64_t(tokens[blockIdx.x]) * d;
   float* dst = out + int64_t(blockIdx.x) * d;
   for (int i = threadIdx.x * V; i < d; i += blockDim.x * V) {
@@ -135,6 +137,8 @@ __global__ void embed_rows_kernel(const bf16* table, const int32_t* tokens, floa
 
 template <int V>
 __global__ void add_rmsnorm_kernel(float* residual, const bf16* add, const float* w, bf16* y, int n, float eps) {
+  pdl_launch_dependents();
+  pdl_wait();
   const int64_t off = int64_t(blockIdx.x) * n;
   float* x = residual + off;
   float ss = 0.0f;
@@ -167,6 +171,8 @@ __global__ void add_rmsnorm_kernel(float* residual, const bf16* add, const float
 // whole GPU instead of one CTA.
 template <int V>
 __global__ void swiglu_kernel(const bf16* gu, bf16* out, int rows, int d_ff) {
+  pdl_launch_dependents();
+  pdl_wait();
   for (int r = blockIdx.y; r < rows; r += gridDim.y) {
     const bf16* gate = gu + int64_t(r) * 2 * d_ff;
     const bf16* up = gate + d_ff;
@@ -227,24 +233,6 @@ void convert(const In* in, Out* out, int64_t n, cudaStream_t stream, const char*
   check_launch(name);
 }
 
-// ---- L2 prefetch ---------------------------------------------------------------------------------
-
-constexpr uint32_t prefetch_chunk = 4096;  // bytes per prefetch request
-constexpr int prefetch_threads = 32;
-constexpr int prefetch_max_blocks = 256;   // requests spread over many SMs' copy engines
-
-__global__ void l2_prefetch_kernel(const char* p, int64_t n_chunks, uint32_t last_bytes) {
-  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < n_chunks; c += int64_t(gridDim.x) * blockDim.x) {
-    const char* at = p + c * prefetch_chunk;
-    const uint32_t size = c == n_chunks - 1 ? last_bytes : prefetch_chunk;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(size) : "memory");
-#else
-    for (uint32_t o = 0; o < size; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(at + o));
-#endif
-  }
-}
-
 // ---- RoPE + KV write ---------------------------------------------------------------------------
 
 // Grid (token rows, Q heads + K heads + 1): a CTA rotates one Q or K head of one row (work item
@@ -254,6 +242,8 @@ __global__ void l2_prefetch_kernel(const char* p, int64_t n_chunks, uint32_t las
 __global__ void rope_qkv_store_kernel(const bf16* qkv, const float* bq, const float* bk, const float* bv,
                                       rope_params rp, step_layout st, kv_cache_view kv, int layer, bf16* q_out) {
   extern __shared__ float cos_sin[];  // n_rot/2 (cos, sin) pairs for this row's position
+  pdl_launch_dependents();
+  pdl_wait();
   const int t = blockIdx.x, h = blockIdx.y;
   const int pos = st.token_pos[t];
   const int hd = rp.head_dim, half_hd = hd / 2;
@@ -324,9 +314,9 @@ void add_rmsnorm(float* residual, const bf16* add, const float* w, bf16* y, int 
                  cudaStream_t stream) {
   if (rows <= 0 || n <= 0) return;
   if (n % 4 == 0 && aligned(residual, 16) && aligned(add, 8) && aligned(w, 16) && aligned(y, 8))
-    add_rmsnorm_kernel<4><<<rows, norm_threads(n, 4), 0, stream>>>(residual, add, w, y, n, eps);
+    launch(add_rmsnorm_kernel<4>, rows, norm_threads(n, 4), 0, stream, residual, add, w, y, n, eps);
   else
-    add_rmsnorm_kernel<1><<<rows, norm_threads(n, 1), 0, stream>>>(residual, add, w, y, n, eps);
+    launch(add_rmsnorm_kernel<1>, rows, norm_threads(n, 1), 0, stream, residual, add, w, y, n, eps);
   check_launch("add_rmsnorm");
 }
 
@@ -343,23 +333,10 @@ void add_residual(float* residual, const bf16* add, int rows, int n, cudaStream_
 void swiglu(const bf16* gu, bf16* out, int rows, int d_ff, cudaStream_t stream) {
   if (rows <= 0 || d_ff <= 0) return;
   if (d_ff % 8 == 0 && aligned(gu, 16) && aligned(out, 16))
-    swiglu_kernel<8><<<swiglu_grid(rows, d_ff, 8), row_threads, 0, stream>>>(gu, out, rows, d_ff);
+    launch(swiglu_kernel<8>, swiglu_grid(rows, d_ff, 8), row_threads, 0, stream, gu, out, rows, d_ff);
   else
-    swiglu_kernel<1><<<swiglu_grid(rows, d_ff, 1), row_threads, 0, stream>>>(gu, out, rows, d_ff);
+    launch(swiglu_kernel<1>, swiglu_grid(rows, d_ff, 1), row_threads, 0, stream, gu, out, rows, d_ff);
   check_launch("swiglu");
-}
-
-void l2_prefetch(const void* p, size_t bytes, cudaStream_t stream) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  const uintptr_t first = (a + 15) & ~uintptr_t{15}, end = (a + bytes) & ~uintptr_t{15};
-  if (p == nullptr || end <= first) return;
-  const uint64_t n = end - first;
-  const int64_t n_chunks = int64_t((n + prefetch_chunk - 1) / prefetch_chunk);
-  const auto last = uint32_t(n - uint64_t(n_chunks - 1) * prefetch_chunk);
-  const int64_t want = (n_chunks + prefetch_threads - 1) / prefetch_threads;
-  const int blocks = int(want < prefetch_max_blocks ? want : prefetch_max_blocks);
-  l2_prefetch_kernel<<<blocks, prefetch_threads, 0, stream>>>(reinterpret_cast<const char*>(first), n_chunks, last);
-  check_launch("l2_prefetch");
 }
 
 void f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream) {
@@ -377,7 +354,7 @@ void rope_qkv_store(const bf16* qkv, const float* bq, const float* bk, const flo
     throw cuda_error("rope_qkv_store: n_rot and head_dim must be even with n_rot <= head_dim");
   const size_t smem = size_t(rp.n_rot) * sizeof(float);
   const dim3 grid(st.n_tokens, rp.n_heads + rp.n_kv_heads + 1);
-  rope_qkv_store_kernel<<<grid, rope_threads, smem, stream>>>(qkv, bq, bk, bv, rp, st, kv, layer, q_out);
+  launch(rope_qkv_store_kernel, grid, rope_threads, smem, stream, qkv, bq, bk, bv, rp, st, kv, layer, q_out);
   check_launch("rope_qkv_store");
 }
 

@@ -115,21 +115,6 @@ TEST_CASE("swiglu multiplies silu(gate) by up", "[cuda]") {
   }
 }
 
-TEST_CASE("l2_prefetch issues requests and changes no data", "[cuda]") {
-  const uint64_t seed = fresh_seed();
-  INFO("seed " << seed);
-  std::mt19937_64 g(seed);
-  const auto x = random_floats(size_t{3} << 20, g);  // 12 MiB: several blocks of requests
-  dev_buf<float> d_x(x);
-  // Whole, unaligned start and ragged length, a sub-16-byte span (no request), and nothing.
-  l2_prefetch(d_x.p, d_x.bytes(), nullptr);
-  l2_prefetch(reinterpret_cast<const char*>(d_x.p) + 3, 100003, nullptr);
-  l2_prefetch(reinterpret_cast<const char*>(d_x.p) + 1, 20, nullptr);
-  l2_prefetch(nullptr, 4096, nullptr);
-  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  CHECK(d_x.download() == x);
-}
-
 TEST_CASE("f32_to_bf16 rounds to nearest even and bf16_to_f32 is exact", "[cuda]") {
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/launch.cuh"
 
 namespace troupe::kernels::cuda {
 
@@ -217,27 +218,41 @@ __device__ __forceinline__ void gemv_bf16_acc(const uint4& wr, const bf16* __res
   }
 }
 
+// One trip of a lane: weight vectors v, v + 32, ..., v + 32 (U - 1) of the row, those below n_vec.
+template <int U>
+__device__ __forceinline__ void gemv_bf16_trip(const uint4* __restrict__ row, int64_t v, int64_t n_vec, uint4 (&wr)[U]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (v + 32 * u < n_vec) wr[u] = __ldcs(row + v + 32 * u);  // read once: streamed past the caches
+}
+
+// The weights are no kernel's output, so the first trip's loads go out before pdl_wait(): under
+// programmatic dependent launch they overlap the kernels still running ahead of this one.
 template <int B>
 __global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_kernel(const bf16* __restrict__ w, int64_t n_out, int64_t n_in,
                                                                     const bf16* __restrict__ x, bf16* __restrict__ y) {
+  pdl_launch_dependents();
+  constexpr int U = gemv_bf16_unroll<B>;
   const int lane = threadIdx.x & 31;
   const int64_t o = int64_t(blockIdx.x) * gemv_warps + (threadIdx.x >> 5);
-  if (o >= n_out) return;  // whole warps leave together
-  const uint4* row = reinterpret_cast<const uint4*>(w + o * n_in);
-  const int64_t n_vec = n_in / 8;
+  const bool active = o < n_out;  // whole warps; the others still wait (a CTA's exit must not
+  const int64_t n_vec = active ? n_in / 8 : 0;  // precede the kernels it depends on)
+  const uint4* row = reinterpret_cast<const uint4*>(w + (active ? o : 0) * n_in);
+  uint4 wr[U];
+  int64_t v = lane;
+  gemv_bf16_trip<U>(row, v, n_vec, wr);
+  pdl_wait();
   float acc[B];
 #pragma unroll
   for (int b = 0; b < B; ++b) acc[b] = 0.0f;
-  constexpr int U = gemv_bf16_unroll<B>;
-  int64_t v = lane;
-  for (; v + 32 * (U - 1) < n_vec; v += 32 * U) {
-    uint4 wr[U];
+  while (v < n_vec) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) wr[u] = __ldcs(row + v + 32 * u);  // read once: streamed past the caches
-#pragma unroll
-    for (int u = 0; u < U; ++u) gemv_bf16_acc<B>(wr[u], x, n_in, v + 32 * u, acc);
+    for (int u = 0; u < U; ++u)
+      if (v + 32 * u < n_vec) gemv_bf16_acc<B>(wr[u], x, n_in, v + 32 * u, acc);
+    v += 32 * U;
+    gemv_bf16_trip<U>(row, v, n_vec, wr);
   }
-  for (; v < n_vec; v += 32) gemv_bf16_acc<B>(__ldcs(row + v), x, n_in, v, acc);
+  if (!active) return;
 #pragma unroll
   for (int b = 0; b < B; ++b) {
     const float s = warp_sum(acc[b]);
@@ -303,7 +318,7 @@ void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* 
   const auto blocks = unsigned((n_out + gemv_warps - 1) / gemv_warps);
   switch (batch) {
 #define TROUPE_GEMV_BF16(B) \
-  case B: gemv_bf16_kernel<B><<<blocks, gemv_warps * 32, 0, stream>>>(w, n_out, n_in, x, y); break;
+  case B: launch(gemv_bf16_kernel<B>, blocks, gemv_warps * 32, 0, stream, w, n_out, n_in, x, y); break;
     TROUPE_GEMV_BF16(1) TROUPE_GEMV_BF16(2) TROUPE_GEMV_BF16(3) TROUPE_GEMV_BF16(4)
     TROUPE_GEMV_BF16(5) TROUPE_GEMV_BF16(6) TROUPE_GEMV_BF16(7) TROUPE_GEMV_BF16(8)
 #undef TROUPE_GEMV_BF16
