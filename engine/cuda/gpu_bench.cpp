@@ -89,7 +89,7 @@ double gemm_rate(ec::gemm_runner& g, cudaStream_t s, int m, int n, int k) {
 // (the head stays on cuBLASLt: fp32 logits), with programmatic dependent launch when pdl. Prints
 // each shape's weight read rate (GB/s) as `tag`_N_K_GBps.
 double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams& hp, int batch, bool gemv, bool pdl,
-                        const std::string& tag) {
+                        const std::string& tag, int gemv_ctas = 0) {
   const kc::pdl_scope scope(pdl);
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim;
   const int64_t qkv = qd + 2 * (int64_t)hp.n_kv_heads * hp.head_dim;
@@ -113,7 +113,7 @@ double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams&
     const double t = time_on_stream(s, copies, 4 * copies, [&] {
       const ec::bf16* wi = w[(size_t)(next++ % copies)].as<ec::bf16>();
       if (gemv && !head)
-        kc::gemv_bf16(wi, n, k, x.as<ec::bf16>(), y.as<ec::bf16>(), batch, s);
+        kc::gemv_bf16(wi, n, k, x.as<ec::bf16>(), y.as<ec::bf16>(), batch, s, gemv_ctas);
       else
         g.run(x.as<ec::bf16>(), wi, y.as<void>(), out, batch, n, k, s);
     });
@@ -252,25 +252,28 @@ void run(const args& a) {
   {
     // Small batches through gemv_bf16 (its GEMVs alone, then whole steps), and steps launched
     // without programmatic dependent launch, all on the same model.
-    for (bool pdl : {false, true}) {
-      const std::string tag = pdl ? "decode_b1_gemv_pdl_gemm" : "decode_b1_gemv_gemm";
-      const double t_gemv = decode_gemm_time(decode_gemms, s, hp, 1, true, pdl, tag);
+    // GEMVs alone: plain launches, then programmatic ones at 1..4 CTAs per SM (_cN).
+    for (int ctas : {0, 1, 2, 3, 4}) {
+      const std::string tag = ctas == 0 ? "decode_b1_gemv_gemm" : "decode_b1_gemv_pdl_c" + std::to_string(ctas) + "_gemm";
+      const double t_gemv = decode_gemm_time(decode_gemms, s, hp, 1, true, ctas > 0, tag, ctas);
       line(tag + "_only_step", t_gemv * 1e3, "ms");
       line(tag + "_only_over_roofline", t_gemv / roofline_of(1), "x");
     }
-    auto variant = [&](int batch, int gemv_rows, bool pdl) {
-      f->set_launch_options(gemv_rows, pdl);
-      const std::string b = "decode_b" + std::to_string(batch) + (gemv_rows >= batch ? "_gemv" : "") + (pdl ? "" : "_nopdl");
+    auto variant = [&](int batch, int gemv_rows, int ctas, bool pdl) {
+      f->set_launch_options(gemv_rows, ctas, pdl);
+      std::string b = "decode_b" + std::to_string(batch) + (gemv_rows >= batch ? "_gemv" : "") + (pdl ? "" : "_nopdl");
+      if (ctas > 0) b += "_c" + std::to_string(ctas);
       const double t = decode_step_time(*f, batch, a);
       line(b + "_step", t * 1e3, "ms");
       line(b + "_tokens_per_s", batch / t, "tok/s");
       line(b + "_time_over_roofline", t / roofline_of(batch), "x");
     };
-    for (int batch : {1, 8, 64}) variant(batch, 0, false);
-    for (int batch : {1, 2, 4, 8}) variant(batch, 8, true);
-    variant(1, 8, false);
-    for (int batch : {2, 4}) variant(batch, 0, true);
-    f->set_launch_options(o.bf16_gemv_rows, o.pdl);
+    for (int batch : {1, 8, 64}) variant(batch, 0, 0, false);
+    for (int batch : {1, 2, 4, 8}) variant(batch, 8, 0, true);
+    for (int ctas : {1, 3, 4}) variant(1, 8, ctas, true);
+    variant(1, 8, 0, false);
+    for (int batch : {2, 4}) variant(batch, 0, 0, true);
+    f->set_launch_options(o.bf16_gemv_rows, o.bf16_gemv_ctas_per_sm, o.pdl);
   }
   {
     ec::cuda_options eo = o;
