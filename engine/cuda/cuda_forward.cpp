@@ -74,11 +74,10 @@ void cuda_forward::drop_graphs() {
   graphs_.clear();
 }
 
-void cuda_forward::set_launch_options(int bf16_gemv_rows, int bf16_gemv_ctas_per_sm, bool pdl) {
+void cuda_forward::set_launch_options(int bf16_gemv_rows, bool pdl) {
   synchronize();
   drop_graphs();
   opt_.bf16_gemv_rows = bf16_gemv_rows;
-  opt_.bf16_gemv_ctas_per_sm = bf16_gemv_ctas_per_sm;
   opt_.pdl = pdl;
 }
 
@@ -364,7 +363,7 @@ void cuda_forward::linear(const dev_matrix& w, const bf16* x, bf16* y, int rows,
   if (w.raw && rows <= gemv_max_batch) {
     kc::gemv_quant(w.qt, w.raw, w.n_out, w.n_in, x, y, rows, s);
   } else if (w.w && rows <= std::min(opt_.bf16_gemv_rows, gemv_max_batch) && w.n_in % 8 == 0) {
-    kc::gemv_bf16(w.w, w.n_out, w.n_in, x, y, rows, s, opt_.bf16_gemv_ctas_per_sm);
+    kc::gemv_bf16(w.w, w.n_out, w.n_in, x, y, rows, s);
   } else if (w.w) {
     gemm_.run(x, w.w, y, gemm_out::bf16, rows, (int)w.n_out, (int)w.n_in, s);
   } else {

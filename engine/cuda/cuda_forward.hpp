@@ -67,11 +67,9 @@ struct cuda_options {
   bool use_graphs = true;
   /// Steps of at most this many token rows (<= gemv_max_batch) multiply bf16 weights with
   /// kernels::cuda::gemv_bf16 instead of cuBLASLt; 0: never. On an H200 (Llama-3-8B shapes,
-  /// docs/perf.md §4) the GEMV made a batch-1 decode step faster and batch 8 1.8x slower;
+  /// docs/perf.md §4) the GEMV made a batch-1 decode step 3-4% faster and batch 8 1.8x slower;
   /// troupe_gpu_bench reports both.
-  int bf16_gemv_rows = 0;
-  /// CTAs per SM of gemv_bf16's persistent grid (0: its default).
-  int bf16_gemv_ctas_per_sm = 0;
+  int bf16_gemv_rows = 1;
   /// Launch the layers' kernels with programmatic dependent launch (kernels::cuda::pdl_scope):
   /// each may start while the one before it finishes, and a GEMV starts reading its weights then.
   bool pdl = true;
@@ -128,9 +126,9 @@ class cuda_forward {
   size_t decode_bytes_per_token() const { return weights_.decode_bytes_per_token(); }
   /// Device bytes of weights, KV cache and scratch.
   size_t device_bytes() const;
-  /// Changes bf16_gemv_rows, bf16_gemv_ctas_per_sm and pdl for the next steps (waits for the
-  /// device and drops the captured graphs, which hold the old choice).
-  void set_launch_options(int bf16_gemv_rows, int bf16_gemv_ctas_per_sm, bool pdl);
+  /// Changes bf16_gemv_rows and pdl for the next steps (waits for the device and drops the
+  /// captured graphs, which hold the old choice).
+  void set_launch_options(int bf16_gemv_rows, bool pdl);
   /// CUDA graphs captured so far.
   size_t n_graphs() const { return graphs_.size(); }
   /// Why decode steps stopped using CUDA graphs (a capture failed), or empty.

@@ -15,10 +15,11 @@
 //   KV bytes read per step, over the measured copy bandwidth (read + write counted once each).
 //   decode_b*_gemm_only_step: the step's weight GEMMs alone (cuBLASLt, weights not in L2), and
 //   their share of the step: the rest is attention, norms, RoPE, sampling and launch gaps.
-// - decode_b*_gemv_*: the same steps with cuda_options::bf16_gemv_rows (gemv_bf16 for the
-//   layers' weights instead of cuBLASLt); decode_b*_nopdl_*: with cuda_options::pdl off (plain
-//   launches); decode_b1_gemv[_pdl]_gemm_*: the GEMVs alone as the GEMMs above, launched plainly
-//   or with programmatic dependent launch (each starts loading while the one before finishes).
+// - the same steps with other launch options than the defaults: decode_b*_gemv_* with
+//   cuda_options::bf16_gemv_rows covering the batch (gemv_bf16 for the layers' weights),
+//   decode_b1_cublas_* with cuBLASLt, *_nopdl_* with cuda_options::pdl off (plain launches);
+//   decode_b1_gemv[_pdl]_gemm_*: the GEMVs alone as the GEMMs above, launched plainly or with
+//   programmatic dependent launch.
 // - prefill_2048: one 2048-token chunk, best of 3; FLOPs = 2 * layer params * tokens + 2 * head
 //   params (one logits row) + causal attention 4 * n_heads * head_dim * T(T+1)/2 per layer.
 #include <algorithm>
@@ -89,7 +90,7 @@ double gemm_rate(ec::gemm_runner& g, cudaStream_t s, int m, int n, int k) {
 // (the head stays on cuBLASLt: fp32 logits), with programmatic dependent launch when pdl. Prints
 // each shape's weight read rate (GB/s) as `tag`_N_K_GBps.
 double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams& hp, int batch, bool gemv, bool pdl,
-                        const std::string& tag, int gemv_ctas = 0) {
+                        const std::string& tag) {
   const kc::pdl_scope scope(pdl);
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim;
   const int64_t qkv = qd + 2 * (int64_t)hp.n_kv_heads * hp.head_dim;
@@ -113,7 +114,7 @@ double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams&
     const double t = time_on_stream(s, copies, 4 * copies, [&] {
       const ec::bf16* wi = w[(size_t)(next++ % copies)].as<ec::bf16>();
       if (gemv && !head)
-        kc::gemv_bf16(wi, n, k, x.as<ec::bf16>(), y.as<ec::bf16>(), batch, s, gemv_ctas);
+        kc::gemv_bf16(wi, n, k, x.as<ec::bf16>(), y.as<ec::bf16>(), batch, s);
       else
         g.run(x.as<ec::bf16>(), wi, y.as<void>(), out, batch, n, k, s);
     });
@@ -252,28 +253,31 @@ void run(const args& a) {
   {
     // Small batches through gemv_bf16 (its GEMVs alone, then whole steps), and steps launched
     // without programmatic dependent launch, all on the same model.
-    // GEMVs alone: plain launches, then programmatic ones at 1..4 CTAs per SM (_cN).
-    for (int ctas : {0, 1, 2, 3, 4}) {
-      const std::string tag = ctas == 0 ? "decode_b1_gemv_gemm" : "decode_b1_gemv_pdl_c" + std::to_string(ctas) + "_gemm";
-      const double t_gemv = decode_gemm_time(decode_gemms, s, hp, 1, true, ctas > 0, tag, ctas);
+    // GEMVs alone: plain launches, then programmatic ones.
+    for (bool pdl : {false, true}) {
+      const std::string tag = pdl ? "decode_b1_gemv_pdl_gemm" : "decode_b1_gemv_gemm";
+      const double t_gemv = decode_gemm_time(decode_gemms, s, hp, 1, true, pdl, tag);
       line(tag + "_only_step", t_gemv * 1e3, "ms");
       line(tag + "_only_over_roofline", t_gemv / roofline_of(1), "x");
     }
-    auto variant = [&](int batch, int gemv_rows, int ctas, bool pdl) {
-      f->set_launch_options(gemv_rows, ctas, pdl);
-      std::string b = "decode_b" + std::to_string(batch) + (gemv_rows >= batch ? "_gemv" : "") + (pdl ? "" : "_nopdl");
-      if (ctas > 0) b += "_c" + std::to_string(ctas);
+    // Whole steps with other launch options than the defaults above (decode_bN).
+    auto variant = [&](int batch, const char* name, int gemv_rows, bool pdl) {
+      f->set_launch_options(gemv_rows, pdl);
+      const std::string b = "decode_b" + std::to_string(batch) + name;
       const double t = decode_step_time(*f, batch, a);
       line(b + "_step", t * 1e3, "ms");
       line(b + "_tokens_per_s", batch / t, "tok/s");
       line(b + "_time_over_roofline", t / roofline_of(batch), "x");
     };
-    for (int batch : {1, 8, 64}) variant(batch, 0, 0, false);
-    for (int batch : {1, 2, 4, 8}) variant(batch, 8, 0, true);
-    for (int ctas : {1, 3, 4}) variant(1, 8, ctas, true);
-    variant(1, 8, 0, false);
-    for (int batch : {2, 4}) variant(batch, 0, 0, true);
-    f->set_launch_options(o.bf16_gemv_rows, o.bf16_gemv_ctas_per_sm, o.pdl);
+    variant(1, "_cublas", 0, true);
+    variant(1, "_cublas_nopdl", 0, false);
+    variant(1, "_gemv_nopdl", 1, false);
+    for (int batch : {2, 4, 8}) {
+      variant(batch, "", o.bf16_gemv_rows, o.pdl);
+      variant(batch, "_gemv", batch, true);
+    }
+    for (int batch : {8, 64}) variant(batch, "_nopdl", o.bf16_gemv_rows, false);
+    f->set_launch_options(o.bf16_gemv_rows, o.pdl);
   }
   {
     ec::cuda_options eo = o;

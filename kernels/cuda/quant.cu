@@ -7,8 +7,6 @@
 // and a 32nd of a q4_k super-block (4 bytes: 4 weights of sub-block 2p and 4 of 2p+1). Lane l of
 // a warp takes units l, l+32, ..., so a warp reads each row as one coalesced stream. One warp
 // computes one output row for every batch row, accumulating in fp32.
-#include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 #include "kernels/cuda/cuda_kernels.hpp"
@@ -187,19 +185,16 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_kernel(const uint8_t* __
   }
 }
 
-// bf16 weights, batch B <= 8. A persistent grid (gemv_bf16_ctas CTAs per SM, 8 warps each) whose
-// warps stream their rows (rows warp, warp + n_warps, ...) as one run of "trips": a trip is one
-// lane's U 16-byte loads of 8 weights (32 * U * 8 weights of a row per warp). Two trips are in
-// flight per warp, registers A and B taking turns: a trip's loads go out before the trip ahead is
-// summed, across row ends too, so a warp never waits on a row's first load and CTAs never retire
-// and relaunch between rows. The activations (a few KB) come through L1. The weights are no
-// kernel's output, so the first two trips are loaded before pdl_wait(): under programmatic
-// dependent launch they overlap the kernels still running ahead of this one.
-constexpr int gemv_bf16_warps = 8;
-constexpr int gemv_bf16_default_ctas = 2;
-
+// bf16 weights, batch B <= 8: the cuBLASLt path at M = 1 read the small projections (qkv, o) at
+// 67-72% of the copy rate on an H200 (docs/perf.md §4). One warp per output row, each lane 16-byte
+// loads of 8 weights, gemv_bf16_unroll of them in flight before the first is used; the
+// activations (a few KB, shared by every warp) come through L1. Under programmatic dependent
+// launch it waits for the kernel ahead before anything (a variant that loaded its first weights
+// before waiting needed 56 registers instead of 36 and ran slower: docs/perf.md §4).
+// 8 at one or two rows (a Llama-3-8B row of 4,096 weights is then two trips of 4 KB per warp in
+// flight), 4 above, where each weight load also feeds B activation loads.
 template <int B>
-constexpr int gemv_bf16_unroll = B <= 2 ? 4 : 2;
+constexpr int gemv_bf16_unroll = B <= 2 ? 8 : 4;
 
 __device__ __forceinline__ void bf16x8(const uint4& raw, float (&f)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
@@ -225,70 +220,33 @@ __device__ __forceinline__ void gemv_bf16_acc(const uint4& wr, const bf16* __res
   }
 }
 
-// Where a warp's trip lies: row `row` of the matrix, from vector `base` (the same for every lane:
-// lane l reads vectors base + l, base + l + 32, ...).
-struct gemv_trip {
-  int64_t row;
-  int64_t base;
-};
-
 template <int B>
-__global__ void __launch_bounds__(gemv_bf16_warps * 32) gemv_bf16_kernel(const bf16* __restrict__ w, int64_t n_out, int64_t n_in,
-                                                                         const bf16* __restrict__ x, bf16* __restrict__ y) {
+__global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_kernel(const bf16* __restrict__ w, int64_t n_out, int64_t n_in,
+                                                                    const bf16* __restrict__ x, bf16* __restrict__ y) {
   pdl_launch_dependents();
-  constexpr int U = gemv_bf16_unroll<B>;
-  constexpr int span = 32 * U;  // vectors of 8 weights a warp covers per trip
+  pdl_wait();
   const int lane = threadIdx.x & 31;
-  const int64_t warp = int64_t(blockIdx.x) * gemv_bf16_warps + (threadIdx.x >> 5);
-  const int64_t n_warps = int64_t(gridDim.x) * gemv_bf16_warps;
+  const int64_t o = int64_t(blockIdx.x) * gemv_warps + (threadIdx.x >> 5);
+  if (o >= n_out) return;  // whole warps leave together
+  const uint4* row = reinterpret_cast<const uint4*>(w + o * n_in);
   const int64_t n_vec = n_in / 8;
-  const int64_t per_row = (n_vec + span - 1) / span;
-  const int64_t my_rows = warp < n_out ? (n_out - 1 - warp) / n_warps + 1 : 0;
-  const int64_t n_trips = my_rows * per_row;
-  const uint4* wv = reinterpret_cast<const uint4*>(w);
-
-  // The loader and the consumer walk the same trips, the loader two ahead.
-  gemv_trip ld{warp, 0}, use{warp, 0};
-  auto advance = [&](gemv_trip& t) {
-    t.base += span;
-    if (t.base >= n_vec) t.base = 0, t.row += n_warps;
-  };
-  auto load = [&](uint4 (&r)[U]) {
-    const uint4* row = wv + ld.row * n_vec + ld.base + lane;
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (ld.base + lane + 32 * u < n_vec) r[u] = __ldcs(row + 32 * u);  // read once: streamed past the caches
-    advance(ld);
-  };
   float acc[B];
 #pragma unroll
   for (int b = 0; b < B; ++b) acc[b] = 0.0f;
-  auto consume = [&](const uint4 (&r)[U]) {
+  constexpr int U = gemv_bf16_unroll<B>;
+  int64_t v = lane;
+  for (; v + 32 * (U - 1) < n_vec; v += 32 * U) {
+    uint4 wr[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (use.base + lane + 32 * u < n_vec) gemv_bf16_acc<B>(r[u], x, n_in, use.base + lane + 32 * u, acc);
-    if (use.base + span >= n_vec) {  // the row's last trip (the same for the whole warp): reduce, store
+    for (int u = 0; u < U; ++u) wr[u] = __ldcs(row + v + 32 * u);  // read once: streamed past the caches
 #pragma unroll
-      for (int b = 0; b < B; ++b) {
-        const float s = warp_sum(acc[b]);
-        if (lane == b) y[b * n_out + use.row] = __float2bfloat16_rn(s);
-        acc[b] = 0.0f;
-      }
-    }
-    advance(use);
-  };
-
-  uint4 ra[U], rb[U];
-  if (n_trips > 0) load(ra);
-  if (n_trips > 1) load(rb);
-  pdl_wait();
-  for (int64_t t = 0; t < n_trips; t += 2) {
-    consume(ra);
-    if (t + 2 < n_trips) load(ra);
-    if (t + 1 < n_trips) {
-      consume(rb);
-      if (t + 3 < n_trips) load(rb);
-    }
+    for (int u = 0; u < U; ++u) gemv_bf16_acc<B>(wr[u], x, n_in, v + 32 * u, acc);
+  }
+  for (; v < n_vec; v += 32) gemv_bf16_acc<B>(__ldcs(row + v), x, n_in, v, acc);
+#pragma unroll
+  for (int b = 0; b < B; ++b) {
+    const float s = warp_sum(acc[b]);
+    if (lane == b) y[b * n_out + o] = __float2bfloat16_rn(s);
   }
 }
 
@@ -334,21 +292,6 @@ int block_values(quant_type t) { return t == quant_type::q4_k ? 256 : 32; }
 
 bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-// SMs of the current device, asked once per device (before any graph capture: the first decode
-// step runs eagerly) and kept.
-int multiprocessors() {
-  static std::atomic<int> cache[64];
-  int dev = 0;
-  check(cudaGetDevice(&dev), "cudaGetDevice");
-  if (dev >= 0 && dev < 64)
-    if (const int c = cache[dev].load(std::memory_order_relaxed); c > 0) return c;
-  int sms = 0;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-  sms = sms > 0 ? sms : 1;
-  if (dev >= 0 && dev < 64) cache[dev].store(sms, std::memory_order_relaxed);
-  return sms;
-}
-
 void check_args(quant_type t, const void* w, int64_t n, const char* name) {
   // q4_k reads 32-bit words of 144-byte blocks; the 32-value types read 16-bit words.
   if (n % block_values(t) != 0 || !aligned(w, t == quant_type::q4_k ? 4 : 2))
@@ -357,19 +300,15 @@ void check_args(quant_type t, const void* w, int64_t n, const char* name) {
 
 }  // namespace
 
-void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream,
-               int ctas_per_sm) {
+void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream) {
   if (batch < 1 || batch > max_batch) throw cuda_error("gemv_bf16: batch must be in [1, 8]");
   if (n_in % 8 != 0) throw cuda_error("gemv_bf16: n_in must be a multiple of 8");
   if (!aligned(w, 16) || !aligned(x, 16)) throw cuda_error("gemv_bf16: w and x must be 16-byte aligned");
-  if (ctas_per_sm < 0 || ctas_per_sm > 8) throw cuda_error("gemv_bf16: ctas_per_sm must be in [0, 8]");
   if (n_out <= 0 || n_in <= 0) return;
-  const int64_t per_sm = ctas_per_sm > 0 ? ctas_per_sm : gemv_bf16_default_ctas;
-  const int64_t want = (n_out + gemv_bf16_warps - 1) / gemv_bf16_warps;
-  const auto blocks = unsigned(std::min<int64_t>(want, per_sm * multiprocessors()));
+  const auto blocks = unsigned((n_out + gemv_warps - 1) / gemv_warps);
   switch (batch) {
 #define TROUPE_GEMV_BF16(B) \
-  case B: launch(gemv_bf16_kernel<B>, blocks, gemv_bf16_warps * 32, 0, stream, w, n_out, n_in, x, y); break;
+  case B: launch(gemv_bf16_kernel<B>, blocks, gemv_warps * 32, 0, stream, w, n_out, n_in, x, y); break;
     TROUPE_GEMV_BF16(1) TROUPE_GEMV_BF16(2) TROUPE_GEMV_BF16(3) TROUPE_GEMV_BF16(4)
     TROUPE_GEMV_BF16(5) TROUPE_GEMV_BF16(6) TROUPE_GEMV_BF16(7) TROUPE_GEMV_BF16(8)
 #undef TROUPE_GEMV_BF16
