@@ -7,6 +7,8 @@
 // add_rmsnorm (fusing the residual add of the previous layer's output), the QKV GEMM,
 // rope_qkv_store, paged_attention, the O GEMM, add_rmsnorm, the gate|up GEMM, swiglu and the down
 // GEMM; the final add_rmsnorm; and the output GEMM on only the rows that need logits (gathered).
+// The layers' own kernels go out with programmatic dependent launch (cuda_options::pdl), and a
+// one-row step multiplies through gemv_bf16 instead of cuBLASLt (cuda_options::bf16_gemv_rows).
 //
 // Decode-only steps (every chunk one token, at most 256 sequences) are padded to a batch bucket
 // (1, 2, 4, ..., 256) with dummy rows that read and write a reserved scratch KV block, and
@@ -67,11 +69,12 @@ struct cuda_options {
   bool use_graphs = true;
   /// Steps of at most this many token rows (<= gemv_max_batch) multiply bf16 weights with
   /// kernels::cuda::gemv_bf16 instead of cuBLASLt; 0: never. On an H200 (Llama-3-8B shapes,
-  /// docs/perf.md §4) the GEMV made a batch-1 decode step 3-4% faster and batch 8 1.8x slower;
-  /// troupe_gpu_bench reports both.
+  /// docs/perf.md §4b) the GEMV made a batch-1 decode step 6% faster (4.60 vs 4.89 ms), batch 2
+  /// 1% faster, batch 4 16% and batch 8 1.9x slower; troupe_gpu_bench reports them.
   int bf16_gemv_rows = 1;
-  /// Launch the layers' kernels with programmatic dependent launch (kernels::cuda::pdl_scope):
-  /// each may start while the one before it finishes, and a GEMV starts reading its weights then.
+  /// Launch the layers' own kernels with programmatic dependent launch (kernels::cuda::pdl_scope):
+  /// each is scheduled while the one before it finishes and waits for it inside, so launch gaps
+  /// overlap work (a batch-1 decode step 2-4% faster on an H200, docs/perf.md §4b).
   bool pdl = true;
   /// Longest wait for the device before cuda_error.
   std::chrono::milliseconds sync_timeout{120000};

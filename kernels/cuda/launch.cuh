@@ -6,10 +6,11 @@
 // kernel has finished. Each such kernel must therefore call pdl_wait() before it reads anything an
 // earlier kernel wrote or writes anything an earlier kernel reads; pdl_wait() returns when the
 // kernel before has completed and its writes are visible (and that kernel waited likewise, so every
-// earlier one has too). What a kernel does before pdl_wait() is limited to inputs no kernel of the
-// step writes: the GEMV loads its first weights there, so a decode step's weight stream starts
-// while the norm, RoPE or attention before it still runs. Without the attribute (no scope, another
-// architecture) both calls are no-ops and the launch is an ordinary one.
+// earlier one has too). Before pdl_wait() a kernel may only touch inputs no kernel of the step
+// writes; ours call it first thing (a GEMV that loaded its first weights before it held more
+// registers and ran slower: docs/perf.md §4b), so what overlaps is the launch and scheduling of
+// the next kernel's CTAs. Without the attribute (no scope, another architecture) both calls are
+// no-ops and the launch is an ordinary one.
 #pragma once
 
 #include <utility>
