@@ -74,11 +74,10 @@ void cuda_forward::drop_graphs() {
   graphs_.clear();
 }
 
-void cuda_forward::set_launch_options(int bf16_gemv_rows, bool pdl) {
+void cuda_forward::set_launch_options(const launch_options& l) {
   synchronize();
   drop_graphs();
-  opt_.bf16_gemv_rows = bf16_gemv_rows;
-  opt_.pdl = pdl;
+  opt_.launch = l;
 }
 
 void cuda_forward::setup() {
@@ -362,7 +361,8 @@ void cuda_forward::stage_sampling(plan& p, std::span<const kc::sample_row_params
 void cuda_forward::linear(const dev_matrix& w, const bf16* x, bf16* y, int rows, cudaStream_t s) {
   if (w.raw && rows <= gemv_max_batch) {
     kc::gemv_quant(w.qt, w.raw, w.n_out, w.n_in, x, y, rows, s);
-  } else if (w.w && rows <= std::min(opt_.bf16_gemv_rows, gemv_max_batch) && w.n_in % 8 == 0) {
+  } else if (w.w && rows <= std::min(opt_.launch.bf16_gemv_rows, gemv_max_batch) && w.n_in % 8 == 0 &&
+             (opt_.launch.bf16_gemv_max_bytes == 0 || (size_t)(w.n_out * w.n_in) * sizeof(bf16) <= opt_.launch.bf16_gemv_max_bytes)) {
     kc::gemv_bf16(w.w, w.n_out, w.n_in, x, y, rows, s);
   } else if (w.w) {
     gemm_.run(x, w.w, y, gemm_out::bf16, rows, (int)w.n_out, (int)w.n_in, s);
@@ -412,7 +412,7 @@ void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
   float* x = x_.as<float>();
   bf16 *h = h_.as<bf16>(), *y = y_.as<bf16>();
   kc::embed_rows(weights_.token_embd(), at(off_.tokens), x, n, d, s);  // after the layout copy: a plain launch
-  const kc::pdl_scope pdl(opt_.pdl);
+  const kc::pdl_scope pdl(opt_.launch.pdl);
   for (int il = 0; il < hp.n_layers; ++il) {
     const dev_layer& L = weights_.layer(il);
     kc::add_rmsnorm(x, il == 0 ? nullptr : y, L.attn_norm, h, n, d, hp.norm_eps, s);

@@ -7,8 +7,8 @@
 // add_rmsnorm (fusing the residual add of the previous layer's output), the QKV GEMM,
 // rope_qkv_store, paged_attention, the O GEMM, add_rmsnorm, the gate|up GEMM, swiglu and the down
 // GEMM; the final add_rmsnorm; and the output GEMM on only the rows that need logits (gathered).
-// The layers' own kernels go out with programmatic dependent launch (cuda_options::pdl), and a
-// one-row step multiplies through gemv_bf16 instead of cuBLASLt (cuda_options::bf16_gemv_rows).
+// The layers' own kernels go out with programmatic dependent launch (launch_options::pdl), and a
+// one-row step multiplies through gemv_bf16 instead of cuBLASLt (launch_options::bf16_gemv_rows).
 //
 // Decode-only steps (every chunk one token, at most 256 sequences) are padded to a batch bucket
 // (1, 2, 4, ..., 256) with dummy rows that read and write a reserved scratch KV block, and
@@ -44,6 +44,25 @@
 
 namespace troupe::engine::cuda {
 
+/// How a step's kernels are chosen and launched (cuda_forward::set_launch_options changes them).
+struct launch_options {
+  /// Steps of at most this many token rows (<= gemv_max_batch) multiply bf16 weights with
+  /// kernels::cuda::gemv_bf16 instead of cuBLASLt; 0: never. On an H200 (Llama-3-8B shapes,
+  /// docs/perf.md §4b) the GEMV made a batch-1 decode step 6% faster (4.60 vs 4.89 ms), batch 2
+  /// 1% faster, batch 4 16% and batch 8 1.9x slower; troupe_gpu_bench reports them.
+  int bf16_gemv_rows = 1;
+  /// ... and only for matrices of at most this many bytes (0: any size). Alone, cuBLASLt read
+  /// Llama-3-8B's large gate|up and down matrices faster than gemv_bf16 (3.8 and 3.6 vs 3.6 and
+  /// 3.3 TB/s) and its qkv and o slower (3.0 and 2.0 vs 3.1 and 2.6): a cap between them (64 MiB)
+  /// sends each to the faster one. Not yet measured in whole steps (troupe_gpu_bench's
+  /// decode_b1_split_* does).
+  size_t bf16_gemv_max_bytes = 0;
+  /// Launch the layers' own kernels with programmatic dependent launch (kernels::cuda::pdl_scope):
+  /// each is scheduled while the one before it finishes and waits for it inside, so launch gaps
+  /// overlap work (a batch-1 decode step 2-4% faster on an H200, docs/perf.md §4b).
+  bool pdl = true;
+};
+
 struct cuda_options {
   int device = 0;
   weight_options weights;
@@ -67,15 +86,7 @@ struct cuda_options {
   /// Flash-decoding splits for decode rows (0: none).
   int attention_splits = 16;
   bool use_graphs = true;
-  /// Steps of at most this many token rows (<= gemv_max_batch) multiply bf16 weights with
-  /// kernels::cuda::gemv_bf16 instead of cuBLASLt; 0: never. On an H200 (Llama-3-8B shapes,
-  /// docs/perf.md §4b) the GEMV made a batch-1 decode step 6% faster (4.60 vs 4.89 ms), batch 2
-  /// 1% faster, batch 4 16% and batch 8 1.9x slower; troupe_gpu_bench reports them.
-  int bf16_gemv_rows = 1;
-  /// Launch the layers' own kernels with programmatic dependent launch (kernels::cuda::pdl_scope):
-  /// each is scheduled while the one before it finishes and waits for it inside, so launch gaps
-  /// overlap work (a batch-1 decode step 2-4% faster on an H200, docs/perf.md §4b).
-  bool pdl = true;
+  launch_options launch;
   /// Longest wait for the device before cuda_error.
   std::chrono::milliseconds sync_timeout{120000};
   /// Seed of synthetic weights.
@@ -129,9 +140,9 @@ class cuda_forward {
   size_t decode_bytes_per_token() const { return weights_.decode_bytes_per_token(); }
   /// Device bytes of weights, KV cache and scratch.
   size_t device_bytes() const;
-  /// Changes bf16_gemv_rows and pdl for the next steps (waits for the device and drops the
-  /// captured graphs, which hold the old choice).
-  void set_launch_options(int bf16_gemv_rows, bool pdl);
+  /// Changes the launch options for the next steps (waits for the device and drops the captured
+  /// graphs, which hold the old choice).
+  void set_launch_options(const launch_options& l);
   /// CUDA graphs captured so far.
   size_t n_graphs() const { return graphs_.size(); }
   /// Why decode steps stopped using CUDA graphs (a capture failed), or empty.

@@ -21,7 +21,7 @@ namespace troupe::engine::cuda {
 
 /// How the linear layers' weights are held.
 enum class weights_mode {
-  bf16,                    // everything bf16, every GEMM through cuBLASLt
+  bf16,                    // everything bf16: cuBLASLt, or gemv_bf16 per cuda::launch_options
   quant_gemv_small_batch,  // q8_0/q4_0/q4_1/q4_k also raw; batches <= gemv_max_batch use gemv_quant
 };
 

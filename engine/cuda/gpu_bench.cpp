@@ -16,8 +16,9 @@
 //   decode_b*_gemm_only_step: the step's weight GEMMs alone (cuBLASLt, weights not in L2), and
 //   their share of the step: the rest is attention, norms, RoPE, sampling and launch gaps.
 // - the same steps with other launch options than the defaults: decode_b*_gemv_* with
-//   cuda_options::bf16_gemv_rows covering the batch (gemv_bf16 for the layers' weights),
-//   decode_b1_cublas_* with cuBLASLt, *_nopdl_* with cuda_options::pdl off (plain launches);
+//   launch_options::bf16_gemv_rows covering the batch (gemv_bf16 for the layers' weights),
+//   decode_b1_cublas_* with cuBLASLt, decode_b1_split_* with gemv_bf16 for the qkv and o
+//   matrices only (bf16_gemv_max_bytes 64 MiB), *_nopdl_* with launch_options::pdl off;
 //   decode_b1_gemv[_pdl]_gemm_*: the GEMVs alone as the GEMMs above, launched plainly or with
 //   programmatic dependent launch.
 // - prefill_2048: one 2048-token chunk, best of 3; FLOPs = 2 * layer params * tokens + 2 * head
@@ -261,8 +262,8 @@ void run(const args& a) {
       line(tag + "_only_over_roofline", t_gemv / roofline_of(1), "x");
     }
     // Whole steps with other launch options than the defaults above (decode_bN).
-    auto variant = [&](int batch, const char* name, int gemv_rows, bool pdl) {
-      f->set_launch_options(gemv_rows, pdl);
+    auto variant = [&](int batch, const char* name, int gemv_rows, bool pdl, size_t gemv_max_bytes = 0) {
+      f->set_launch_options({gemv_rows, gemv_max_bytes, pdl});
       const std::string b = "decode_b" + std::to_string(batch) + name;
       const double t = decode_step_time(*f, batch, a);
       line(b + "_step", t * 1e3, "ms");
@@ -272,12 +273,13 @@ void run(const args& a) {
     variant(1, "_cublas", 0, true);
     variant(1, "_cublas_nopdl", 0, false);
     variant(1, "_gemv_nopdl", 1, false);
+    variant(1, "_split", 1, true, size_t{64} << 20);
     for (int batch : {2, 4, 8}) {
-      variant(batch, "", o.bf16_gemv_rows, o.pdl);
+      variant(batch, "", o.launch.bf16_gemv_rows, o.launch.pdl, o.launch.bf16_gemv_max_bytes);
       variant(batch, "_gemv", batch, true);
     }
-    for (int batch : {8, 64}) variant(batch, "_nopdl", o.bf16_gemv_rows, false);
-    f->set_launch_options(o.bf16_gemv_rows, o.pdl);
+    for (int batch : {8, 64}) variant(batch, "_nopdl", o.launch.bf16_gemv_rows, false, o.launch.bf16_gemv_max_bytes);
+    f->set_launch_options(o.launch);
   }
   {
     ec::cuda_options eo = o;

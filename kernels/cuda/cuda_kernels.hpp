@@ -159,7 +159,7 @@ void gemv_quant(quant_type t, const void* w, int64_t n_out, int64_t n_in, const 
                 cudaStream_t stream);
 
 /// The same product with bf16 weights [n_out, n_in] (n_in a multiple of 8, w and x 16-byte
-/// aligned): small-batch decode without cuBLASLt (cuda_options::bf16_gemv_rows).
+/// aligned): small-batch decode without cuBLASLt (engine::cuda::launch_options).
 void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream);
 
 /// Expands GGUF blocks of type t (n values, a multiple of the block size) into bf16.
