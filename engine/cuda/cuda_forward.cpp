@@ -363,7 +363,10 @@ void cuda_forward::linear(const dev_matrix& w, const bf16* x, bf16* y, int rows,
     kc::gemv_quant(w.qt, w.raw, w.n_out, w.n_in, x, y, rows, s);
   } else if (w.w && rows <= std::min(opt_.launch.bf16_gemv_rows, gemv_max_batch) && w.n_in % 8 == 0 &&
              (opt_.launch.bf16_gemv_max_bytes == 0 || (size_t)(w.n_out * w.n_in) * sizeof(bf16) <= opt_.launch.bf16_gemv_max_bytes)) {
-    kc::gemv_bf16(w.w, w.n_out, w.n_in, x, y, rows, s);
+    if (opt_.launch.bf16_gemv_streamed && rows <= 2 && w.n_in % 256 == 0)
+      kc::gemv_bf16_streamed(w.w, w.n_out, w.n_in, x, y, rows, s);
+    else
+      kc::gemv_bf16(w.w, w.n_out, w.n_in, x, y, rows, s);
   } else if (w.w) {
     gemm_.run(x, w.w, y, gemm_out::bf16, rows, (int)w.n_out, (int)w.n_in, s);
   } else {

@@ -57,6 +57,10 @@ struct launch_options {
   /// sends each to the faster one. Not yet measured in whole steps (troupe_gpu_bench's
   /// decode_b1_split_* does).
   size_t bf16_gemv_max_bytes = 0;
+  /// Such GEMVs of one or two rows over rows of a multiple of 256 weights use
+  /// kernels::cuda::gemv_bf16_streamed (weights by bulk copies into shared memory) instead. Not
+  /// yet measured on a device: troupe_gpu_bench's decode_b1_streamed_* will say.
+  bool bf16_gemv_streamed = false;
   /// Launch the layers' own kernels with programmatic dependent launch (kernels::cuda::pdl_scope):
   /// each is scheduled while the one before it finishes and waits for it inside, so launch gaps
   /// overlap work (a batch-1 decode step 2-4% faster on an H200, docs/perf.md §4b).

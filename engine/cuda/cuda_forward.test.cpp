@@ -134,7 +134,7 @@ TEST_CASE("CUDA forward: default model logits match the CPU over a prefill and 8
 
 TEST_CASE("CUDA forward: generated models (quantized GEMV decode, qwen2 biases and neox rope, f32)", "[cuda]") {
   for (const char* name : {"llama_q4_k", "qwen2_q6_k_gqa4", "llama_f32_hd64", "llama_q4_k_bf16", "llama_q4_k_bf16_gemv",
-                           "llama_q4_k_bf16_gemv_split"}) {
+                           "llama_q4_k_bf16_gemv_split", "llama_q4_k_bf16_gemv_streamed"}) {
     const bool bf16_mode = std::string(name).starts_with("llama_q4_k_bf16");
     const auto m = load_model(std::string("tests/fixtures/generated/") + (bf16_mode ? "llama_q4_k" : name) + ".gguf");
     if (!m) continue;
@@ -144,6 +144,7 @@ TEST_CASE("CUDA forward: generated models (quantized GEMV decode, qwen2 biases a
       o.launch.bf16_gemv_rows = std::string(name).find("_gemv") != std::string::npos ? 8 : 0;  // decode through gemv_bf16
       if (std::string(name).ends_with("_split"))  // ... for the matrices up to O's size, cuBLASLt for the larger ones
         o.launch.bf16_gemv_max_bytes = (size_t)m->hparams().d_model * m->hparams().n_heads * m->hparams().head_dim * 2;
+      o.launch.bf16_gemv_streamed = std::string(name).ends_with("_streamed");  // 2-row decode steps, rows of 256k
       compare_with_cpu(*m, o, 5e-2);
     }
   }
@@ -240,7 +241,7 @@ TEST_CASE("CUDA forward: decode steps replayed from CUDA graphs equal eager runs
       seqs[s].push_back(next[s]);
       batch.push_back({std::span(seqs[s]).last(1), (int64_t)seqs[s].size() - 1, tables[s]});
     }
-    if (step == 3) plain.set_launch_options({8, 1 << 20, true});  // programmatic launches, gemv_bf16 for the
+    if (step == 3) plain.set_launch_options({8, 1 << 20, false, true});  // programmatic launches, gemv_bf16 for the
                                                                   // matrices up to 1 MiB, new graphs
     a = graph.forward(batch);
     INFO("decode step " << step);

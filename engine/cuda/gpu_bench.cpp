@@ -18,7 +18,8 @@
 // - the same steps with other launch options than the defaults: decode_b*_gemv_* with
 //   launch_options::bf16_gemv_rows covering the batch (gemv_bf16 for the layers' weights),
 //   decode_b1_cublas_* with cuBLASLt, decode_b1_split_* with gemv_bf16 for the qkv and o
-//   matrices only (bf16_gemv_max_bytes 64 MiB), *_nopdl_* with launch_options::pdl off;
+//   matrices only (bf16_gemv_max_bytes 64 MiB), decode_b{1,2}_streamed_* through
+//   gemv_bf16_streamed, *_nopdl_* with launch_options::pdl off;
 //   decode_b1_gemv[_pdl]_gemm_*: the GEMVs alone as the GEMMs above, launched plainly or with
 //   programmatic dependent launch.
 // - prefill_2048: one 2048-token chunk, best of 3; FLOPs = 2 * layer params * tokens + 2 * head
@@ -87,10 +88,11 @@ double gemm_rate(ec::gemm_runner& g, cudaStream_t s, int m, int n, int k) {
 // and the output head (fp32 logits). Each shape has enough weight copies, used in turn, that the
 // L2 (60 MB) never holds the next one, as in the model, where every layer reads fresh weights.
 // With the step time this splits a decode step into GEMMs and the rest (attention, norms, RoPE,
-// sampling, launch gaps). gemv: the layers' matrices through kernels::cuda::gemv_bf16 instead
-// (the head stays on cuBLASLt: fp32 logits), with programmatic dependent launch when pdl. Prints
+// sampling, launch gaps). gemv 1 or 2: the layers' matrices through kernels::cuda::gemv_bf16 or
+// gemv_bf16_streamed instead (the head stays on cuBLASLt: fp32 logits); pdl: programmatic
+// dependent launch. Prints
 // each shape's weight read rate (GB/s) as `tag`_N_K_GBps.
-double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams& hp, int batch, bool gemv, bool pdl,
+double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams& hp, int batch, int gemv, bool pdl,
                         const std::string& tag) {
   const kc::pdl_scope scope(pdl);
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim;
@@ -115,7 +117,8 @@ double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams&
     const double t = time_on_stream(s, copies, 4 * copies, [&] {
       const ec::bf16* wi = w[(size_t)(next++ % copies)].as<ec::bf16>();
       if (gemv && !head)
-        kc::gemv_bf16(wi, n, k, x.as<ec::bf16>(), y.as<ec::bf16>(), batch, s);
+        gemv == 2 ? kc::gemv_bf16_streamed(wi, n, k, x.as<ec::bf16>(), y.as<ec::bf16>(), batch, s)
+                  : kc::gemv_bf16(wi, n, k, x.as<ec::bf16>(), y.as<ec::bf16>(), batch, s);
       else
         g.run(x.as<ec::bf16>(), wi, y.as<void>(), out, batch, n, k, s);
     });
@@ -240,7 +243,7 @@ void run(const args& a) {
   for (int batch : {1, 8, 64, 256}) {
     const std::string b = "decode_b" + std::to_string(batch);
     const double t = decode_step_time(*f, batch, a);
-    const double t_gemm = decode_gemm_time(decode_gemms, s, hp, batch, false, false, b + "_gemm");
+    const double t_gemm = decode_gemm_time(decode_gemms, s, hp, batch, 0, false, b + "_gemm");
     line(b + "_gemm_only_step", t_gemm * 1e3, "ms");
     line(b + "_gemm_share", t_gemm / t, "x");
     const double roofline = roofline_of(batch);
@@ -254,16 +257,18 @@ void run(const args& a) {
   {
     // Small batches through gemv_bf16 (its GEMVs alone, then whole steps), and steps launched
     // without programmatic dependent launch, all on the same model.
-    // GEMVs alone: plain launches, then programmatic ones.
-    for (bool pdl : {false, true}) {
-      const std::string tag = pdl ? "decode_b1_gemv_pdl_gemm" : "decode_b1_gemv_gemm";
-      const double t_gemv = decode_gemm_time(decode_gemms, s, hp, 1, true, pdl, tag);
+    // GEMVs alone: plain launches, then programmatic ones; gemv_bf16, then gemv_bf16_streamed.
+    for (int k = 0; k < 4; ++k) {
+      const bool pdl = k % 2 == 1, streamed = k >= 2;
+      const std::string tag = std::string("decode_b1_gemv") + (streamed ? "_streamed" : "") + (pdl ? "_pdl" : "") + "_gemm";
+      const double t_gemv = decode_gemm_time(decode_gemms, s, hp, 1, streamed ? 2 : 1, pdl, tag);
       line(tag + "_only_step", t_gemv * 1e3, "ms");
       line(tag + "_only_over_roofline", t_gemv / roofline_of(1), "x");
     }
     // Whole steps with other launch options than the defaults above (decode_bN).
-    auto variant = [&](int batch, const char* name, int gemv_rows, bool pdl, size_t gemv_max_bytes = 0) {
-      f->set_launch_options({gemv_rows, gemv_max_bytes, pdl});
+    auto variant = [&](int batch, const char* name, int gemv_rows, bool pdl, size_t gemv_max_bytes = 0,
+                       bool streamed = false) {
+      f->set_launch_options({gemv_rows, gemv_max_bytes, streamed, pdl});
       const std::string b = "decode_b" + std::to_string(batch) + name;
       const double t = decode_step_time(*f, batch, a);
       line(b + "_step", t * 1e3, "ms");
@@ -274,11 +279,15 @@ void run(const args& a) {
     variant(1, "_cublas_nopdl", 0, false);
     variant(1, "_gemv_nopdl", 1, false);
     variant(1, "_split", 1, true, size_t{64} << 20);
+    variant(1, "_streamed", 1, true, 0, true);
+    variant(2, "_streamed", 2, true, 0, true);
+    variant(1, "_streamed_split", 1, true, size_t{64} << 20, true);
     for (int batch : {2, 4, 8}) {
-      variant(batch, "", o.launch.bf16_gemv_rows, o.launch.pdl, o.launch.bf16_gemv_max_bytes);
+      variant(batch, "", o.launch.bf16_gemv_rows, o.launch.pdl, o.launch.bf16_gemv_max_bytes, o.launch.bf16_gemv_streamed);
       variant(batch, "_gemv", batch, true);
     }
-    for (int batch : {8, 64}) variant(batch, "_nopdl", o.launch.bf16_gemv_rows, false, o.launch.bf16_gemv_max_bytes);
+    for (int batch : {8, 64})
+      variant(batch, "_nopdl", o.launch.bf16_gemv_rows, false, o.launch.bf16_gemv_max_bytes, o.launch.bf16_gemv_streamed);
     f->set_launch_options(o.launch);
   }
   {

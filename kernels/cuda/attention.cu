@@ -17,6 +17,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/launch.cuh"
 
 namespace troupe::kernels::cuda {
@@ -53,10 +54,6 @@ __host__ __device__ inline int decode_splits(int kv_len, int cap) {
 }
 
 // ---- PTX helpers ---------------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
@@ -321,16 +318,6 @@ __device__ __forceinline__ void fp16x8_to_float(const uint4& raw, float (&f)[8])
     f[2 * i + 1] = x.y;
   }
 }
-__device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 x = __bfloat1622float2(h[i]);
-    f[2 * i] = x.x;
-    f[2 * i + 1] = x.y;
-  }
-}
-
 // Grid (n_seqs, n_kv_heads * head chunks, n_split_max). Each group of HD / 8 lanes reads one
 // position's K and V head rows with 16-byte loads (8 dims per lane) and keeps its own online
 // softmax for every head of the CTA; the groups are merged through shared memory at the end.

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/launch.cuh"
 
 namespace troupe::kernels::cuda {
@@ -84,12 +85,6 @@ __device__ __forceinline__ void store(bf16* p, const float (&v)[V]) {
 #pragma unroll
     for (int k = 0; k < V; ++k) p[k] = __float2bfloat16_rn(v[k]);
   }
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 
 // Sum over the block (blockDim.x a multiple of 32); every thread gets it. Call once per kernel.

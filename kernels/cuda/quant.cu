@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/launch.cuh"
 
 namespace troupe::kernels::cuda {
@@ -142,12 +143,6 @@ struct layout<quant_type::q4_k> {
   }
 };
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 template <quant_type T, int B>
 __global__ void __launch_bounds__(gemv_warps * 32) gemv_kernel(const uint8_t* __restrict__ w, int64_t n_out, int64_t n_in,
                                                                const bf16* __restrict__ x, bf16* __restrict__ y) {
@@ -196,25 +191,15 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_kernel(const uint8_t* __
 template <int B>
 constexpr int gemv_bf16_unroll = B <= 2 ? 8 : 4;
 
-__device__ __forceinline__ void bf16x8(const uint4& raw, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 v = __bfloat1622float2(h[i]);
-    f[2 * i] = v.x;
-    f[2 * i + 1] = v.y;
-  }
-}
-
 template <int B>
 __device__ __forceinline__ void gemv_bf16_acc(const uint4& wr, const bf16* __restrict__ x, int64_t n_in, int64_t v,
                                               float (&acc)[B]) {
   float wf[8];
-  bf16x8(wr, wf);
+  bf16x8_to_float(wr, wf);
 #pragma unroll
   for (int b = 0; b < B; ++b) {
     float xf[8];
-    bf16x8(__ldg(reinterpret_cast<const uint4*>(x + b * n_in) + v), xf);
+    bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(x + b * n_in) + v), xf);
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc[b] = fmaf(wf[k], xf[k], acc[b]);
   }

@@ -113,6 +113,36 @@ TEST_CASE("gemv_bf16 matches bf16 weights times bf16 activations", "[cuda]") {
   CHECK_THROWS_AS(gemv_bf16(w.p, 4, 12, x.p, y.p, 1, nullptr), cuda_error);  // n_in % 8
 }
 
+TEST_CASE("gemv_bf16_streamed matches bf16 weights times bf16 activations, repeatably", "[cuda]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 g(seed);
+  // 20011 rows: several per warp and CTA, runs that start and end inside 16 KB chunks; 14336: a
+  // row over two chunks; 256: 64 rows a chunk; 3 rows: fewer CTAs than SMs.
+  const int64_t shapes[][2] = {{20011, 1280}, {1003, 4096}, {301, 14336}, {517, 256}, {3, 4096}};
+  for (const auto& sh : shapes) {
+    const int64_t n_out = sh[0], n_in = sh[1];
+    const auto w = round_bf16(random_floats(size_t(n_out * n_in), g));
+    dev_buf<bf16> d_w(to_bf16(w));
+    for (const int batch : {1, 2}) {
+      const auto x = round_bf16(random_floats(size_t(batch * n_in), g));
+      dev_buf<bf16> d_x(to_bf16(x)), d_y(size_t(batch * n_out));
+      d_y.poison();
+      gemv_bf16_streamed(d_w.p, n_out, n_in, d_x.p, d_y.p, batch, nullptr);
+      const auto first = d_y.download();
+      const std::vector<float> want = reference_gemv(w, x, batch, n_out, n_in);
+      INFO("n_out " << n_out << " n_in " << n_in << " batch " << batch);
+      CHECK(normalized_error(from_bf16(first), want) <= 1e-2);
+      d_y.poison();
+      gemv_bf16_streamed(d_w.p, n_out, n_in, d_x.p, d_y.p, batch, nullptr);
+      CHECK(std::memcmp(d_y.download().data(), first.data(), first.size() * sizeof(bf16)) == 0);  // fixed order
+    }
+  }
+  dev_buf<bf16> w(size_t(4 * 512)), x(size_t(3 * 512)), y(size_t(3 * 4));
+  CHECK_THROWS_AS(gemv_bf16_streamed(w.p, 4, 512, x.p, y.p, 3, nullptr), cuda_error);  // batch > 2
+  CHECK_THROWS_AS(gemv_bf16_streamed(w.p, 4, 264, x.p, y.p, 1, nullptr), cuda_error);  // n_in % 256
+}
+
 TEST_CASE("gemv_quant rejects bad batch sizes and lengths", "[cuda]") {
   dev_buf<uint8_t> w(size_t(34 * 4));
   dev_buf<bf16> x(size_t(9 * 64)), y(size_t(9 * 2));

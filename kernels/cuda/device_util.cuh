@@ -1,0 +1,34 @@
+// Small device helpers shared by the kernel files: warp reductions, bf16 vector conversion, shared
+// memory addresses for PTX.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace troupe::kernels::cuda {
+
+/// Sum over the 32 lanes of a warp (all lanes active); every lane gets it.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+/// Eight bf16 values in one 16-byte word, as floats.
+__device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float (&f)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 v = __bfloat1622float2(h[i]);
+    f[2 * i] = v.x;
+    f[2 * i + 1] = v.y;
+  }
+}
+
+/// The shared-state-space address of a pointer into shared memory (PTX operands).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+}  // namespace troupe::kernels::cuda

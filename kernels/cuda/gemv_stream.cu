@@ -1,0 +1,201 @@
+// bf16 GEMV whose weights arrive by bulk copies (the TMA engine) into a ring of shared-memory
+// stages, for one or two activation rows. gemv_bf16 (quant.cu) loads through registers, one warp
+// per row; on an H200 it read Llama-3-8B's matrices at 2.6-3.6 TB/s, below the 4.27 TB/s copy
+// rate (docs/perf.md §4b). Here a persistent grid (stream_ctas_per_sm per SM) gives each CTA a
+// contiguous run of rows, one contiguous span of memory; thread 0 keeps stream_stages copies of
+// stream_chunk bytes in flight (cp.async.bulk, completion counted on an mbarrier per stage), so
+// the bytes in flight do not cost registers, and all 8 warps sum out of the stage that arrived.
+// A warp takes 32 consecutive 16-byte vectors (a "slice", 256 weights of one row: n_in must be a
+// multiple of 256) every 256 vectors, keeps a per-lane sum while its slices stay in one row (its
+// slices of a row are consecutive, so it meets each row once) and stores the warp's total in the
+// row's slot for that warp when the row changes; the CTA adds each row's 8 slots in a fixed order
+// at the end, so results repeat bit for bit. The first stages are requested before pdl_wait(): the weights are no kernel's
+// output, so under programmatic dependent launch they stream in while the kernel ahead finishes.
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/device_util.cuh"
+#include "kernels/cuda/launch.cuh"
+
+namespace troupe::kernels::cuda {
+
+namespace {
+
+constexpr int stream_threads = 256;
+constexpr int stream_chunk = 16384;  // bytes per bulk copy: 1,024 vectors, 32 slices
+constexpr int stream_stages = 4;
+constexpr int stream_ctas_per_sm = 2;
+constexpr int slice_vecs = 32;
+constexpr int stride_vecs = stream_threads;  // a warp's next slice: 8 warps x 32 vectors on
+constexpr int chunk_vecs = stream_chunk / 16;
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+
+// Thread 0: arrive on `bar` expecting `bytes` from a bulk copy into `dst`, and start that copy.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  }
+}
+
+constexpr int stream_warps = stream_threads / 32;
+
+size_t stream_smem_bytes(int batch, int64_t max_rows) {
+  return size_t(stream_stages) * stream_chunk + stream_stages * sizeof(uint64_t) +
+         size_t(batch) * max_rows * stream_warps * sizeof(float);
+}
+
+template <int B>
+__global__ void __launch_bounds__(stream_threads) gemv_stream_kernel(const bf16* __restrict__ w, int64_t n_out, int64_t n_in,
+                                                                     const bf16* __restrict__ x, bf16* __restrict__ y) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  auto* buf = reinterpret_cast<uint4*>(smem);  // [stream_stages][chunk_vecs]
+  auto* full = reinterpret_cast<uint64_t*>(smem + size_t(stream_stages) * stream_chunk);
+  auto* part = reinterpret_cast<float*>(full + stream_stages);  // [B][n_rows][stream_warps]
+
+  const int64_t r0 = n_out * blockIdx.x / gridDim.x, r1 = n_out * (blockIdx.x + 1) / gridDim.x;
+  const int n_rows = int(r1 - r0);
+  const int64_t n_vec = n_in / 8;
+  const int64_t bytes = int64_t(n_rows) * n_in * int64_t(sizeof(bf16));
+  const int64_t n_chunks = (bytes + stream_chunk - 1) / stream_chunk;
+  const char* src = reinterpret_cast<const char*>(w + r0 * n_in);
+  auto issue = [&](int64_t c) {
+    const int s = int(c % stream_stages);
+    const auto size = uint32_t(bytes - c * stream_chunk < stream_chunk ? bytes - c * stream_chunk : stream_chunk);
+    bulk_load(buf + s * chunk_vecs, src + c * stream_chunk, size, &full[s]);
+  };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stream_stages; ++s) mbar_init(&full[s], 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  pdl_launch_dependents();
+  if (threadIdx.x == 0)
+    for (int64_t c = 0; c < n_chunks && c < stream_stages; ++c) issue(c);
+  for (int i = threadIdx.x; i < B * n_rows * stream_warps; i += stream_threads) part[i] = 0.0f;
+  pdl_wait();  // x is the kernel ahead's output
+  __syncthreads();
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int64_t vec = int64_t(warp) * slice_vecs;  // the warp's current slice, from the CTA's first vector
+  int64_t row = vec / n_vec, col = vec - row * n_vec;
+  bool dirty = false;
+  float acc[B];
+#pragma unroll
+  for (int b = 0; b < B; ++b) acc[b] = 0.0f;
+  auto flush = [&] {
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const float s = warp_sum(acc[b]);
+      if (lane == 0) part[(b * n_rows + row) * stream_warps + warp] = s;
+      acc[b] = 0.0f;
+    }
+    dirty = false;
+  };
+
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const int s = int(c % stream_stages);
+    mbar_wait(&full[s], uint32_t((c / stream_stages) & 1));
+    const int64_t first = c * chunk_vecs;
+    const int64_t end = first + (bytes - c * stream_chunk < stream_chunk ? (bytes - c * stream_chunk) / 16 : chunk_vecs);
+    for (; vec < end; vec += stride_vecs) {
+      const uint4 wr = buf[s * chunk_vecs + (vec - first) + lane];
+      float wf[8];
+      bf16x8_to_float(wr, wf);
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        float xf[8];
+        bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(x + b * n_in) + col + lane), xf);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[b] = fmaf(wf[k], xf[k], acc[b]);
+      }
+      dirty = true;
+      col += stride_vecs;
+      if (col >= n_vec) {  // the next slice is in a later row
+        flush();
+        while (col >= n_vec) col -= n_vec, ++row;
+      }
+    }
+    __syncthreads();  // every warp is done with stage s
+    if (threadIdx.x == 0 && c + stream_stages < n_chunks) issue(c + stream_stages);
+  }
+  if (dirty) flush();
+  __syncthreads();
+  for (int i = threadIdx.x; i < B * n_rows; i += stream_threads) {
+    const int b = i / n_rows, r = i - b * n_rows;
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < stream_warps; ++k) sum += part[i * stream_warps + k];
+    y[b * n_out + r0 + r] = __float2bfloat16_rn(sum);
+  }
+}
+
+// Multiprocessors of device `dev`, asked once (the first decode step runs eagerly, before any
+// graph capture) and kept.
+int multiprocessors(int dev) {
+  static std::atomic<int> cache[64];
+  std::atomic<int>& c = cache[dev >= 0 && dev < 64 ? dev : 0];
+  int sms = c.load(std::memory_order_relaxed);
+  if (sms <= 0) {
+    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "gemv_bf16_streamed: cudaDeviceGetAttribute");
+    c.store(sms = sms > 0 ? sms : 1, std::memory_order_relaxed);
+  }
+  return sms;
+}
+
+template <int B>
+void launch_stream(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, cudaStream_t stream) {
+  int dev = 0;
+  check(cudaGetDevice(&dev), "gemv_bf16_streamed: cudaGetDevice");
+  const int sms = multiprocessors(dev);
+  const int64_t ctas = n_out < int64_t(sms) * stream_ctas_per_sm ? n_out : int64_t(sms) * stream_ctas_per_sm;
+  const int64_t max_rows = (n_out + ctas - 1) / ctas;
+  const size_t smem = stream_smem_bytes(B, max_rows);
+  // The kernel's dynamic shared-memory limit, raised to the largest size asked (per device; one
+  // such static per instantiation, i.e. per kernel).
+  static std::atomic<size_t> raised[64];
+  std::atomic<size_t>& r = raised[dev >= 0 && dev < 64 ? dev : 0];
+  if (r.load(std::memory_order_relaxed) < smem) {
+    check(cudaFuncSetAttribute(gemv_stream_kernel<B>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+          "gemv_bf16_streamed: cudaFuncSetAttribute");
+    r.store(smem, std::memory_order_relaxed);
+  }
+  launch(gemv_stream_kernel<B>, unsigned(ctas), stream_threads, smem, stream, w, n_out, n_in, x, y);
+}
+
+}  // namespace
+
+void gemv_bf16_streamed(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream) {
+  if (batch < 1 || batch > 2) throw cuda_error("gemv_bf16_streamed: batch must be 1 or 2");
+  if (n_in % 256 != 0) throw cuda_error("gemv_bf16_streamed: n_in must be a multiple of 256");
+  if (reinterpret_cast<uintptr_t>(w) % 16 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0)
+    throw cuda_error("gemv_bf16_streamed: w and x must be 16-byte aligned");
+  if (n_out <= 0) return;
+  if (batch == 1)
+    launch_stream<1>(w, n_out, n_in, x, y, stream);
+  else
+    launch_stream<2>(w, n_out, n_in, x, y, stream);
+  check_launch("gemv_bf16_streamed");
+}
+
+}  // namespace troupe::kernels::cuda
