@@ -364,7 +364,7 @@ void cuda_forward::linear(const dev_matrix& w, const bf16* x, bf16* y, int rows,
   } else if (w.w && rows <= std::min(opt_.launch.bf16_gemv_rows, gemv_max_batch) && w.n_in % 8 == 0 &&
              (opt_.launch.bf16_gemv_max_bytes == 0 || (size_t)(w.n_out * w.n_in) * sizeof(bf16) <= opt_.launch.bf16_gemv_max_bytes)) {
     if (opt_.launch.bf16_gemv_streamed && rows <= 2 && w.n_in % 256 == 0)
-      kc::gemv_bf16_streamed(w.w, w.n_out, w.n_in, x, y, rows, s);
+      kc::gemv_bf16_streamed(w.w, w.n_out, w.n_in, x, y, rows, s, opt_.launch.bf16_gemv_stream);
     else
       kc::gemv_bf16(w.w, w.n_out, w.n_in, x, y, rows, s);
   } else if (w.w) {

@@ -61,6 +61,8 @@ struct launch_options {
   /// kernels::cuda::gemv_bf16_streamed (weights by bulk copies into shared memory) instead. Not
   /// yet measured on a device: troupe_gpu_bench's decode_b1_streamed_* will say.
   bool bf16_gemv_streamed = false;
+  /// Its pipeline (CTAs per SM, stages, bytes a copy).
+  kc::gemv_stream_config bf16_gemv_stream;
   /// Launch the layers' own kernels with programmatic dependent launch (kernels::cuda::pdl_scope):
   /// each is scheduled while the one before it finishes and waits for it inside, so launch gaps
   /// overlap work (a batch-1 decode step 2-4% faster on an H200, docs/perf.md §4b).

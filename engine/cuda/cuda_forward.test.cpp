@@ -241,7 +241,7 @@ TEST_CASE("CUDA forward: decode steps replayed from CUDA graphs equal eager runs
       seqs[s].push_back(next[s]);
       batch.push_back({std::span(seqs[s]).last(1), (int64_t)seqs[s].size() - 1, tables[s]});
     }
-    if (step == 3) plain.set_launch_options({8, 1 << 20, false, true});  // programmatic launches, gemv_bf16 for the
+    if (step == 3) plain.set_launch_options({8, 1 << 20, false, {}, true});  // programmatic launches, gemv_bf16 for the
                                                                   // matrices up to 1 MiB, new graphs
     a = graph.forward(batch);
     INFO("decode step " << step);

@@ -93,7 +93,7 @@ double gemm_rate(ec::gemm_runner& g, cudaStream_t s, int m, int n, int k) {
 // dependent launch. Prints
 // each shape's weight read rate (GB/s) as `tag`_N_K_GBps.
 double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams& hp, int batch, int gemv, bool pdl,
-                        const std::string& tag) {
+                        const std::string& tag, const kc::gemv_stream_config& stream_cfg = {}) {
   const kc::pdl_scope scope(pdl);
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim;
   const int64_t qkv = qd + 2 * (int64_t)hp.n_kv_heads * hp.head_dim;
@@ -117,7 +117,7 @@ double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams&
     const double t = time_on_stream(s, copies, 4 * copies, [&] {
       const ec::bf16* wi = w[(size_t)(next++ % copies)].as<ec::bf16>();
       if (gemv && !head)
-        gemv == 2 ? kc::gemv_bf16_streamed(wi, n, k, x.as<ec::bf16>(), y.as<ec::bf16>(), batch, s)
+        gemv == 2 ? kc::gemv_bf16_streamed(wi, n, k, x.as<ec::bf16>(), y.as<ec::bf16>(), batch, s, stream_cfg)
                   : kc::gemv_bf16(wi, n, k, x.as<ec::bf16>(), y.as<ec::bf16>(), batch, s);
       else
         g.run(x.as<ec::bf16>(), wi, y.as<void>(), out, batch, n, k, s);
@@ -257,18 +257,36 @@ void run(const args& a) {
   {
     // Small batches through gemv_bf16 (its GEMVs alone, then whole steps), and steps launched
     // without programmatic dependent launch, all on the same model.
-    // GEMVs alone: plain launches, then programmatic ones; gemv_bf16, then gemv_bf16_streamed.
-    for (int k = 0; k < 4; ++k) {
-      const bool pdl = k % 2 == 1, streamed = k >= 2;
-      const std::string tag = std::string("decode_b1_gemv") + (streamed ? "_streamed" : "") + (pdl ? "_pdl" : "") + "_gemm";
-      const double t_gemv = decode_gemm_time(decode_gemms, s, hp, 1, streamed ? 2 : 1, pdl, tag);
+    // GEMVs alone: gemv_bf16 with plain launches, then programmatic ones; then gemv_bf16_streamed
+    // (programmatic) over pipeline shapes (CTAs per SM, stages, KiB a copy: _sC_S_K), the best
+    // one taken for the whole-step variants below.
+    for (bool pdl : {false, true}) {
+      const std::string tag = pdl ? "decode_b1_gemv_pdl_gemm" : "decode_b1_gemv_gemm";
+      const double t_gemv = decode_gemm_time(decode_gemms, s, hp, 1, 1, pdl, tag);
       line(tag + "_only_step", t_gemv * 1e3, "ms");
       line(tag + "_only_over_roofline", t_gemv / roofline_of(1), "x");
     }
+    kc::gemv_stream_config best_stream;
+    double best_stream_t = 1e30;
+    for (const kc::gemv_stream_config c : {kc::gemv_stream_config{2, 4, 16384}, {1, 8, 16384}, {2, 6, 16384},
+                                           {3, 4, 16384}, {4, 3, 16384}, {2, 4, 32768}, {1, 6, 32768}, {2, 8, 8192}}) {
+      const std::string tag = "decode_b1_gemv_streamed_s" + std::to_string(c.ctas_per_sm) + "_" + std::to_string(c.stages) +
+                              "_" + std::to_string(c.chunk_bytes >> 10) + "_gemm";
+      try {
+        const double t = decode_gemm_time(decode_gemms, s, hp, 1, 2, true, tag, c);
+        line(tag + "_only_over_roofline", t / roofline_of(1), "x");
+        if (t < best_stream_t) best_stream_t = t, best_stream = c;
+      } catch (const kc::cuda_error& e) {
+        std::printf("# %s: %s\n", tag.c_str(), e.what());
+      }
+    }
+    std::printf("# best streamed GEMV pipeline: %d CTAs per SM, %d stages, %d KiB\n", best_stream.ctas_per_sm,
+                best_stream.stages, best_stream.chunk_bytes >> 10);
+    line("decode_b1_gemv_streamed_best_gemm_only_over_roofline", best_stream_t / roofline_of(1), "x");
     // Whole steps with other launch options than the defaults above (decode_bN).
     auto variant = [&](int batch, const char* name, int gemv_rows, bool pdl, size_t gemv_max_bytes = 0,
                        bool streamed = false) {
-      f->set_launch_options({gemv_rows, gemv_max_bytes, streamed, pdl});
+      f->set_launch_options({gemv_rows, gemv_max_bytes, streamed, best_stream, pdl});
       const std::string b = "decode_b" + std::to_string(batch) + name;
       const double t = decode_step_time(*f, batch, a);
       line(b + "_step", t * 1e3, "ms");

@@ -162,11 +162,19 @@ void gemv_quant(quant_type t, const void* w, int64_t n_out, int64_t n_in, const 
 /// aligned): small-batch decode without cuBLASLt (engine::cuda::launch_options).
 void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream);
 
+/// The shape of gemv_bf16_streamed's pipeline: CTAs per SM, shared-memory stages, bytes a bulk
+/// copy (a multiple of 512, at most 64 KiB). Untuned: 2 x 4 x 16 KiB until a device measures.
+struct gemv_stream_config {
+  int ctas_per_sm = 2;
+  int stages = 4;
+  int chunk_bytes = 16384;
+};
+
 /// The same for one or two rows with weights brought by bulk copies into shared-memory stages
 /// (kernels/cuda/gemv_stream.cu; launch_options::bf16_gemv_streamed): n_in a multiple of 256, w
 /// and x 16-byte aligned, batch 1 or 2 (cuda_error otherwise). Sums in a fixed order.
 void gemv_bf16_streamed(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch,
-                        cudaStream_t stream);
+                        cudaStream_t stream, const gemv_stream_config& cfg = {});
 
 /// Expands GGUF blocks of type t (n values, a multiple of the block size) into bf16.
 void dequant_to_bf16(quant_type t, const void* w, int64_t n, bf16* out, cudaStream_t stream);

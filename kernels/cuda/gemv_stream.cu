@@ -1,9 +1,9 @@
 // bf16 GEMV whose weights arrive by bulk copies (the TMA engine) into a ring of shared-memory
 // stages, for one or two activation rows. gemv_bf16 (quant.cu) loads through registers, one warp
 // per row; on an H200 it read Llama-3-8B's matrices at 2.6-3.6 TB/s, below the 4.27 TB/s copy
-// rate (docs/perf.md §4b). Here a persistent grid (stream_ctas_per_sm per SM) gives each CTA a
-// contiguous run of rows, one contiguous span of memory; thread 0 keeps stream_stages copies of
-// stream_chunk bytes in flight (cp.async.bulk, completion counted on an mbarrier per stage), so
+// rate (docs/perf.md §4b). Here a persistent grid (gemv_stream_config::ctas_per_sm per SM) gives
+// each CTA a contiguous run of rows, one contiguous span of memory; thread 0 keeps `stages` copies
+// of `chunk_bytes` in flight (cp.async.bulk, completion counted on an mbarrier per stage), so
 // the bytes in flight do not cost registers, and all 8 warps sum out of the stage that arrived.
 // A warp takes 32 consecutive 16-byte vectors (a "slice", 256 weights of one row: n_in must be a
 // multiple of 256) every 256 vectors, keeps a per-lane sum while its slices stay in one row (its
@@ -24,12 +24,8 @@ namespace troupe::kernels::cuda {
 namespace {
 
 constexpr int stream_threads = 256;
-constexpr int stream_chunk = 16384;  // bytes per bulk copy: 1,024 vectors, 32 slices
-constexpr int stream_stages = 4;
-constexpr int stream_ctas_per_sm = 2;
 constexpr int slice_vecs = 32;
 constexpr int stride_vecs = stream_threads;  // a warp's next slice: 8 warps x 32 vectors on
-constexpr int chunk_vecs = stream_chunk / 16;
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
@@ -59,39 +55,40 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 
 constexpr int stream_warps = stream_threads / 32;
 
-size_t stream_smem_bytes(int batch, int64_t max_rows) {
-  return size_t(stream_stages) * stream_chunk + stream_stages * sizeof(uint64_t) +
-         size_t(batch) * max_rows * stream_warps * sizeof(float);
+size_t stream_smem_bytes(const gemv_stream_config& c, int batch, int64_t max_rows) {
+  return size_t(c.stages) * c.chunk_bytes + c.stages * sizeof(uint64_t) + size_t(batch) * max_rows * stream_warps * sizeof(float);
 }
 
 template <int B>
 __global__ void __launch_bounds__(stream_threads) gemv_stream_kernel(const bf16* __restrict__ w, int64_t n_out, int64_t n_in,
-                                                                     const bf16* __restrict__ x, bf16* __restrict__ y) {
+                                                                     const bf16* __restrict__ x, bf16* __restrict__ y,
+                                                                     int stages, int chunk) {
+  const int chunk_vecs = chunk / 16;
   extern __shared__ __align__(128) unsigned char smem[];
-  auto* buf = reinterpret_cast<uint4*>(smem);  // [stream_stages][chunk_vecs]
-  auto* full = reinterpret_cast<uint64_t*>(smem + size_t(stream_stages) * stream_chunk);
-  auto* part = reinterpret_cast<float*>(full + stream_stages);  // [B][n_rows][stream_warps]
+  auto* buf = reinterpret_cast<uint4*>(smem);  // [stages][chunk_vecs]
+  auto* full = reinterpret_cast<uint64_t*>(smem + size_t(stages) * chunk);
+  auto* part = reinterpret_cast<float*>(full + stages);  // [B][n_rows][stream_warps]
 
   const int64_t r0 = n_out * blockIdx.x / gridDim.x, r1 = n_out * (blockIdx.x + 1) / gridDim.x;
   const int n_rows = int(r1 - r0);
   const int64_t n_vec = n_in / 8;
   const int64_t bytes = int64_t(n_rows) * n_in * int64_t(sizeof(bf16));
-  const int64_t n_chunks = (bytes + stream_chunk - 1) / stream_chunk;
+  const int64_t n_chunks = (bytes + chunk - 1) / chunk;
   const char* src = reinterpret_cast<const char*>(w + r0 * n_in);
   auto issue = [&](int64_t c) {
-    const int s = int(c % stream_stages);
-    const auto size = uint32_t(bytes - c * stream_chunk < stream_chunk ? bytes - c * stream_chunk : stream_chunk);
-    bulk_load(buf + s * chunk_vecs, src + c * stream_chunk, size, &full[s]);
+    const int s = int(c % stages);
+    const auto size = uint32_t(bytes - c * chunk < chunk ? bytes - c * chunk : chunk);
+    bulk_load(buf + s * chunk_vecs, src + c * chunk, size, &full[s]);
   };
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < stream_stages; ++s) mbar_init(&full[s], 1);
+    for (int s = 0; s < stages; ++s) mbar_init(&full[s], 1);
     mbar_init_fence();
   }
   __syncthreads();
   pdl_launch_dependents();
   if (threadIdx.x == 0)
-    for (int64_t c = 0; c < n_chunks && c < stream_stages; ++c) issue(c);
+    for (int64_t c = 0; c < n_chunks && c < stages; ++c) issue(c);
   for (int i = threadIdx.x; i < B * n_rows * stream_warps; i += stream_threads) part[i] = 0.0f;
   pdl_wait();  // x is the kernel ahead's output
   __syncthreads();
@@ -114,10 +111,10 @@ __global__ void __launch_bounds__(stream_threads) gemv_stream_kernel(const bf16*
   };
 
   for (int64_t c = 0; c < n_chunks; ++c) {
-    const int s = int(c % stream_stages);
-    mbar_wait(&full[s], uint32_t((c / stream_stages) & 1));
+    const int s = int(c % stages);
+    mbar_wait(&full[s], uint32_t((c / stages) & 1));
     const int64_t first = c * chunk_vecs;
-    const int64_t end = first + (bytes - c * stream_chunk < stream_chunk ? (bytes - c * stream_chunk) / 16 : chunk_vecs);
+    const int64_t end = first + (bytes - c * chunk < chunk ? (bytes - c * chunk) / 16 : chunk_vecs);
     for (; vec < end; vec += stride_vecs) {
       const uint4 wr = buf[s * chunk_vecs + (vec - first) + lane];
       float wf[8];
@@ -137,7 +134,7 @@ __global__ void __launch_bounds__(stream_threads) gemv_stream_kernel(const bf16*
       }
     }
     __syncthreads();  // every warp is done with stage s
-    if (threadIdx.x == 0 && c + stream_stages < n_chunks) issue(c + stream_stages);
+    if (threadIdx.x == 0 && c + stages < n_chunks) issue(c + stages);
   }
   if (dirty) flush();
   __syncthreads();
@@ -164,13 +161,18 @@ int multiprocessors(int dev) {
 }
 
 template <int B>
-void launch_stream(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, cudaStream_t stream) {
+void launch_stream(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, cudaStream_t stream,
+                   const gemv_stream_config& cfg) {
   int dev = 0;
   check(cudaGetDevice(&dev), "gemv_bf16_streamed: cudaGetDevice");
   const int sms = multiprocessors(dev);
-  const int64_t ctas = n_out < int64_t(sms) * stream_ctas_per_sm ? n_out : int64_t(sms) * stream_ctas_per_sm;
+  const int64_t grid = int64_t(sms) * cfg.ctas_per_sm;
+  const int64_t ctas = n_out < grid ? n_out : grid;
   const int64_t max_rows = (n_out + ctas - 1) / ctas;
-  const size_t smem = stream_smem_bytes(B, max_rows);
+  const size_t smem = stream_smem_bytes(cfg, B, max_rows);
+  if (smem > size_t{227} << 10)
+    throw cuda_error("gemv_bf16_streamed: " + std::to_string(smem) + " bytes of shared memory a CTA (stages x chunk + " +
+                     std::to_string(max_rows) + " rows' sums) exceed 227 KiB");
   // The kernel's dynamic shared-memory limit, raised to the largest size asked (per device; one
   // such static per instantiation, i.e. per kernel).
   static std::atomic<size_t> raised[64];
@@ -180,21 +182,26 @@ void launch_stream(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf
           "gemv_bf16_streamed: cudaFuncSetAttribute");
     r.store(smem, std::memory_order_relaxed);
   }
-  launch(gemv_stream_kernel<B>, unsigned(ctas), stream_threads, smem, stream, w, n_out, n_in, x, y);
+  launch(gemv_stream_kernel<B>, unsigned(ctas), stream_threads, smem, stream, w, n_out, n_in, x, y, cfg.stages,
+         cfg.chunk_bytes);
 }
 
 }  // namespace
 
-void gemv_bf16_streamed(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream) {
+void gemv_bf16_streamed(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream,
+                        const gemv_stream_config& cfg) {
   if (batch < 1 || batch > 2) throw cuda_error("gemv_bf16_streamed: batch must be 1 or 2");
+  if (cfg.ctas_per_sm < 1 || cfg.ctas_per_sm > 8 || cfg.stages < 2 || cfg.stages > 16 || cfg.chunk_bytes < 512 ||
+      cfg.chunk_bytes > (64 << 10) || cfg.chunk_bytes % 512 != 0)
+    throw cuda_error("gemv_bf16_streamed: ctas_per_sm in [1, 8], stages in [2, 16], chunk_bytes a multiple of 512 up to 64 KiB");
   if (n_in % 256 != 0) throw cuda_error("gemv_bf16_streamed: n_in must be a multiple of 256");
   if (reinterpret_cast<uintptr_t>(w) % 16 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0)
     throw cuda_error("gemv_bf16_streamed: w and x must be 16-byte aligned");
   if (n_out <= 0) return;
   if (batch == 1)
-    launch_stream<1>(w, n_out, n_in, x, y, stream);
+    launch_stream<1>(w, n_out, n_in, x, y, stream, cfg);
   else
-    launch_stream<2>(w, n_out, n_in, x, y, stream);
+    launch_stream<2>(w, n_out, n_in, x, y, stream, cfg);
   check_launch("gemv_bf16_streamed");
 }
 

@@ -138,9 +138,23 @@ TEST_CASE("gemv_bf16_streamed matches bf16 weights times bf16 activations, repea
       CHECK(std::memcmp(d_y.download().data(), first.data(), first.size() * sizeof(bf16)) == 0);  // fixed order
     }
   }
+  // Other pipeline shapes: 2 stages of 512 bytes (each stage refilled hundreds of times, its
+  // barrier's phase flipping), 3 of 1.5 KiB at 4 CTAs per SM.
+  for (const gemv_stream_config c : {gemv_stream_config{1, 2, 512}, gemv_stream_config{4, 3, 1536}}) {
+    const int64_t n_out = 2003, n_in = 1280;
+    const auto w = round_bf16(random_floats(size_t(n_out * n_in), g));
+    const auto x = round_bf16(random_floats(size_t(n_in), g));
+    dev_buf<bf16> d_w(to_bf16(w)), d_x(to_bf16(x)), d_y{size_t(n_out)};
+    d_y.poison();
+    gemv_bf16_streamed(d_w.p, n_out, n_in, d_x.p, d_y.p, 1, nullptr, c);
+    INFO("ctas " << c.ctas_per_sm << " stages " << c.stages << " chunk " << c.chunk_bytes);
+    CHECK(normalized_error(from_bf16(d_y.download()), reference_gemv(w, x, 1, n_out, n_in)) <= 1e-2);
+  }
   dev_buf<bf16> w(size_t(4 * 512)), x(size_t(3 * 512)), y(size_t(3 * 4));
   CHECK_THROWS_AS(gemv_bf16_streamed(w.p, 4, 512, x.p, y.p, 3, nullptr), cuda_error);  // batch > 2
   CHECK_THROWS_AS(gemv_bf16_streamed(w.p, 4, 264, x.p, y.p, 1, nullptr), cuda_error);  // n_in % 256
+  CHECK_THROWS_AS(gemv_bf16_streamed(w.p, 4, 512, x.p, y.p, 1, nullptr, {2, 4, 1000}), cuda_error);  // chunk % 512
+  CHECK_THROWS_AS(gemv_bf16_streamed(w.p, 4, 512, x.p, y.p, 1, nullptr, {1, 8, 65536}), cuda_error);  // 512 KiB
 }
 
 TEST_CASE("gemv_quant rejects bad batch sizes and lengths", "[cuda]") {
