@@ -1,9 +1,10 @@
 // troupe_gpu_bench: device figures for docs/perf.md, one line each, "name value unit".
 //
 //   troupe_gpu_bench [--arch llama-3-8b] [--context 512] [--steps 20] [--device 0] [--decode-only B]
+//                    [--streamed 0|1]
 //
 // --decode-only B: only the model and its decode steps at batch B (one line), for a profiler
-// (scripts/gpu-profile).
+// (scripts/gpu-profile); --streamed 1 makes those steps use gemv_bf16_streamed (default pipeline).
 //
 // - d2d_copy_bandwidth: cudaMemcpy of 2 GiB device to device, best of 5, counting bytes read
 //   plus bytes written (2 x 2 GiB per copy): the rate HBM sustains for a pure stream.
@@ -134,6 +135,7 @@ struct args {
   int steps = 20;
   int device = 0;
   int decode_only = 0;  // > 0: only decode steps at this batch (for a profiler), no other figures
+  bool streamed = false;  // --decode-only steps through gemv_bf16_streamed
 };
 
 args parse(int argc, char** argv) {
@@ -147,7 +149,8 @@ args parse(int argc, char** argv) {
     else if (k == "--steps") a.steps = std::stoi(v);
     else if (k == "--device") a.device = std::stoi(v);
     else if (k == "--decode-only") a.decode_only = std::stoi(v);
-    else throw std::invalid_argument("unknown option " + k + " (--arch, --context, --steps, --device, --decode-only)");
+    else if (k == "--streamed") a.streamed = std::stoi(v) != 0;
+    else throw std::invalid_argument("unknown option " + k + " (--arch, --context, --steps, --device, --decode-only, --streamed)");
   }
   if (a.context < a.steps + 4 || a.steps < 1) throw std::invalid_argument("--context must exceed --steps + 3, --steps >= 1");
   return a;
@@ -195,6 +198,7 @@ void run(const args& a) {
     o.max_seqs = a.decode_only;
     o.max_context = a.context;
     o.n_blocks = a.decode_only * kv_blocks_for(a.context, o.block_size);
+    o.launch.bf16_gemv_streamed = a.streamed;
     auto f = ec::cuda_forward::synthetic(a.arch, o);
     line("decode_b" + std::to_string(a.decode_only) + "_step", decode_step_time(*f, a.decode_only, a) * 1e3, "ms");
     return;
