@@ -478,6 +478,7 @@ void cuda_forward::launch(const plan& p) {
     kc::check(cudaStreamWaitEvent(s, copies_done_.get(), 0), "cudaStreamWaitEvent");
     copies_pending_ = false;
   }
+  kc::check(cudaEventRecord(step_start_.get(), s), "cudaEventRecord");
   kc::check(cudaMemcpyAsync(stage_dev_.as<void>(), stage_host_.as<void>(), p.layout_bytes, cudaMemcpyHostToDevice, s),
             "uploading the step layout");
   if (p.n_history > 0)
@@ -510,8 +511,15 @@ void cuda_forward::launch(const plan& p) {
 }
 
 void cuda_forward::finish_step(const char* what) {
+  kc::check(cudaEventRecord(step_end_.get(), compute_.get()), "cudaEventRecord");
   kc::check(cudaEventRecord(step_done_.get(), compute_.get()), "cudaEventRecord");
   wait_event(step_done_.get(), opt_.sync_timeout, what);
+}
+
+double cuda_forward::last_step_device_ms() const {
+  float ms = 0.0f;
+  kc::check(cudaEventElapsedTime(&ms, step_start_.get(), step_end_.get()), "cudaEventElapsedTime");
+  return ms;
 }
 
 void cuda_forward::resize_host_logits(size_t n) {

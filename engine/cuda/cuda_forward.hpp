@@ -149,6 +149,10 @@ class cuda_forward {
   /// Changes the launch options for the next steps (waits for the device and drops the captured
   /// graphs, which hold the old choice).
   void set_launch_options(const launch_options& l);
+  /// Device time of the last forward()/forward_sample() step, from its layout upload to its last
+  /// copy back (ms): with the host's wall time per step it splits a step into device work and
+  /// host overhead.
+  double last_step_device_ms() const;
   /// CUDA graphs captured so far.
   size_t n_graphs() const { return graphs_.size(); }
   /// Why decode steps stopped using CUDA graphs (a capture failed), or empty.
@@ -176,6 +180,7 @@ class cuda_forward {
   int device_ = 0;
   stream_handle compute_, copy_;
   event_handle copies_done_, step_done_, sync_event_;
+  event_handle step_start_{true}, step_end_{true};  // timed: last_step_device_ms()
   bool copies_pending_ = false;
   device_weights weights_;
   gemm_runner gemm_;

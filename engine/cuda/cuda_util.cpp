@@ -82,7 +82,9 @@ stream_handle::~stream_handle() {
   if (s_) cudaStreamDestroy(s_);
 }
 
-event_handle::event_handle() { kc::check(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming), "cudaEventCreate"); }
+event_handle::event_handle(bool timing) {
+  kc::check(cudaEventCreateWithFlags(&e_, timing ? cudaEventDefault : cudaEventDisableTiming), "cudaEventCreate");
+}
 
 event_handle::~event_handle() {
   if (e_) cudaEventDestroy(e_);

@@ -79,10 +79,10 @@ class stream_handle {
   cudaStream_t s_ = nullptr;
 };
 
-/// An owned event without timing (cheap to record and wait on).
+/// An owned event, without timing unless asked (cheaper to record and wait on).
 class event_handle {
  public:
-  event_handle();
+  explicit event_handle(bool timing = false);
   ~event_handle();
   event_handle(const event_handle&) = delete;
   event_handle& operator=(const event_handle&) = delete;

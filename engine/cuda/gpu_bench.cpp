@@ -14,7 +14,9 @@
 //   ends at --context, one token per sequence per step through forward_sample (greedy, on the
 //   device), host wall time per step (graph replay; b1 also eager). roofline: weight bytes plus
 //   KV bytes read per step, over the measured copy bandwidth (read + write counted once each).
-//   decode_b*_gemm_only_step: the step's weight GEMMs alone (cuBLASLt, weights not in L2), and
+//   decode_b*_device_step: the device's part of it (events from the layout upload to the last
+//   copy back), the rest being host overhead; decode_b*_gemm_only_step: the step's weight GEMMs
+//   alone (cuBLASLt, weights not in L2), and
 //   their share of the step: the rest is attention, norms, RoPE, sampling and launch gaps.
 // - the same steps with other launch options than the defaults: decode_b*_gemv_* with
 //   launch_options::bf16_gemv_rows covering the batch (gemv_bf16 for the layers' weights),
@@ -157,7 +159,7 @@ args parse(int argc, char** argv) {
 }
 
 // Decode steps of `batch` sequences whose contexts end at a.context; seconds per step.
-double decode_step_time(ec::cuda_forward& f, int batch, const args& a) {
+double decode_step_time(ec::cuda_forward& f, int batch, const args& a, double* device_s = nullptr) {
   const int warm = 3;
   const int bs = f.kv().block_size;
   const int n_steps = warm + a.steps;
@@ -170,15 +172,19 @@ double decode_step_time(ec::cuda_forward& f, int batch, const args& a) {
   std::vector<seq_chunk> chunks((size_t)batch);
   std::vector<kc::sample_row_params> params((size_t)batch);
   for (auto& p : params) p.temperature = 0.0f;
-  double t = 0.0;
+  double t = 0.0, dev = 0.0;
   for (int step = 0; step < n_steps; ++step) {
     for (int s = 0; s < batch; ++s)
       chunks[(size_t)s] = {std::span(&tokens[(size_t)s], 1), pos_start + step, tables[(size_t)s]};
     const auto t0 = std::chrono::steady_clock::now();
     const std::vector<int32_t> next = f.forward_sample(chunks, params);
-    if (step >= warm) t += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (step >= warm) {
+      t += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      dev += f.last_step_device_ms() / 1e3;
+    }
     std::copy(next.begin(), next.end(), tokens.begin());
   }
+  if (device_s) *device_s = dev / a.steps;
   return t / a.steps;
 }
 
@@ -246,7 +252,9 @@ void run(const args& a) {
   ec::gemm_runner decode_gemms;
   for (int batch : {1, 8, 64, 256}) {
     const std::string b = "decode_b" + std::to_string(batch);
-    const double t = decode_step_time(*f, batch, a);
+    double t_dev = 0.0;
+    const double t = decode_step_time(*f, batch, a, &t_dev);
+    line(b + "_device_step", t_dev * 1e3, "ms");
     const double t_gemm = decode_gemm_time(decode_gemms, s, hp, batch, 0, false, b + "_gemm");
     line(b + "_gemm_only_step", t_gemm * 1e3, "ms");
     line(b + "_gemm_share", t_gemm / t, "x");
