@@ -93,8 +93,7 @@ double gemm_rate(ec::gemm_runner& g, cudaStream_t s, int m, int n, int k) {
 // With the step time this splits a decode step into GEMMs and the rest (attention, norms, RoPE,
 // sampling, launch gaps). gemv 1 or 2: the layers' matrices through kernels::cuda::gemv_bf16 or
 // gemv_bf16_streamed instead (the head stays on cuBLASLt: fp32 logits); pdl: programmatic
-// dependent launch. Prints
-// each shape's weight read rate (GB/s) as `tag`_N_K_GBps.
+// dependent launch. Prints each shape's weight read rate (GB/s) as `tag`_N_K_GBps.
 double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams& hp, int batch, int gemv, bool pdl,
                         const std::string& tag, const kc::gemv_stream_config& stream_cfg = {}) {
   const kc::pdl_scope scope(pdl);
@@ -267,11 +266,9 @@ void run(const args& a) {
   line("decode_graphs", (double)f->n_graphs(), "captured");
   if (!f->graph_error().empty()) std::printf("# CUDA graphs off after a failed capture: %s\n", f->graph_error().c_str());
   {
-    // Small batches through gemv_bf16 (its GEMVs alone, then whole steps), and steps launched
-    // without programmatic dependent launch, all on the same model.
-    // GEMVs alone: gemv_bf16 with plain launches, then programmatic ones; then gemv_bf16_streamed
-    // (programmatic) over pipeline shapes (CTAs per SM, stages, KiB a copy: _sC_S_K), the best
-    // one taken for the whole-step variants below.
+    // The GEMVs alone: gemv_bf16 with plain launches, then programmatic ones; gemv_bf16_streamed
+    // (programmatic) over pipeline shapes (CTAs per SM, stages, KiB a copy: _sC_S_K), the best one
+    // kept for the whole-step variants after, all on the same model.
     for (bool pdl : {false, true}) {
       const std::string tag = pdl ? "decode_b1_gemv_pdl_gemm" : "decode_b1_gemv_gemm";
       const double t_gemv = decode_gemm_time(decode_gemms, s, hp, 1, 1, pdl, tag);
