@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(pf_threads)
 
 // ---- decode: flash-decoding ------------------------------------------------------------------------
 
-// 16 bytes of 8 fp16 or 8 bf16 values as floats.
+// 16 bytes of 8 fp16 values as floats (bf16: device_util.cuh).
 __device__ __forceinline__ void fp16x8_to_float(const uint4& raw, float (&f)[8]) {
   const __half2* h = reinterpret_cast<const __half2*>(&raw);
 #pragma unroll
@@ -318,6 +318,7 @@ __device__ __forceinline__ void fp16x8_to_float(const uint4& raw, float (&f)[8])
     f[2 * i + 1] = x.y;
   }
 }
+
 // Grid (n_seqs, n_kv_heads * head chunks, n_split_max). Each group of HD / 8 lanes reads one
 // position's K and V head rows with 16-byte loads (8 dims per lane) and keeps its own online
 // softmax for every head of the CTA; the groups are merged through shared memory at the end.
