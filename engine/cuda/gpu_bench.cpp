@@ -87,14 +87,17 @@ double gemm_rate(ec::gemm_runner& g, cudaStream_t s, int m, int n, int k) {
   return 2.0 * m * n * k / t;
 }
 
+// What multiplies a layer's weights in decode_gemm_time.
+enum class layer_gemm { cublas, gemv, gemv_streamed };
+
 // Seconds of a decode step's weight GEMMs alone at `batch` rows: every layer's four matrices
 // and the output head (fp32 logits). Each shape has enough weight copies, used in turn, that the
 // L2 (60 MB) never holds the next one, as in the model, where every layer reads fresh weights.
 // With the step time this splits a decode step into GEMMs and the rest (attention, norms, RoPE,
-// sampling, launch gaps). gemv 1 or 2: the layers' matrices through kernels::cuda::gemv_bf16 or
-// gemv_bf16_streamed instead (the head stays on cuBLASLt: fp32 logits); pdl: programmatic
+// sampling, launch gaps). path: the layers' matrices through cuBLASLt, kernels::cuda::gemv_bf16
+// or gemv_bf16_streamed (the head stays on cuBLASLt: fp32 logits); pdl: programmatic
 // dependent launch. Prints each shape's weight read rate (GB/s) as `tag`_N_K_GBps.
-double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams& hp, int batch, int gemv, bool pdl,
+double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams& hp, int batch, layer_gemm path, bool pdl,
                         const std::string& tag, const kc::gemv_stream_config& stream_cfg = {}) {
   const kc::pdl_scope scope(pdl);
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim;
@@ -118,11 +121,12 @@ double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams&
     const ec::gemm_out out = head ? ec::gemm_out::f32 : ec::gemm_out::bf16;
     const double t = time_on_stream(s, copies, 4 * copies, [&] {
       const ec::bf16* wi = w[(size_t)(next++ % copies)].as<ec::bf16>();
-      if (gemv && !head)
-        gemv == 2 ? kc::gemv_bf16_streamed(wi, n, k, x.as<ec::bf16>(), y.as<ec::bf16>(), batch, s, stream_cfg)
-                  : kc::gemv_bf16(wi, n, k, x.as<ec::bf16>(), y.as<ec::bf16>(), batch, s);
-      else
+      if (head || path == layer_gemm::cublas)
         g.run(x.as<ec::bf16>(), wi, y.as<void>(), out, batch, n, k, s);
+      else if (path == layer_gemm::gemv_streamed)
+        kc::gemv_bf16_streamed(wi, n, k, x.as<ec::bf16>(), y.as<ec::bf16>(), batch, s, stream_cfg);
+      else
+        kc::gemv_bf16(wi, n, k, x.as<ec::bf16>(), y.as<ec::bf16>(), batch, s);
     });
     line(tag + "_" + std::to_string(n) + "_" + std::to_string(k) + "_GBps", (double)bytes / t / 1e9, "GB/s");
     total += (head ? 1 : hp.n_layers) * t;
@@ -254,7 +258,7 @@ void run(const args& a) {
     double t_dev = 0.0;
     const double t = decode_step_time(*f, batch, a, &t_dev);
     line(b + "_device_step", t_dev * 1e3, "ms");
-    const double t_gemm = decode_gemm_time(decode_gemms, s, hp, batch, 0, false, b + "_gemm");
+    const double t_gemm = decode_gemm_time(decode_gemms, s, hp, batch, layer_gemm::cublas, false, b + "_gemm");
     line(b + "_gemm_only_step", t_gemm * 1e3, "ms");
     line(b + "_gemm_share", t_gemm / t, "x");
     const double roofline = roofline_of(batch);
@@ -271,7 +275,7 @@ void run(const args& a) {
     // kept for the whole-step variants after, all on the same model.
     for (bool pdl : {false, true}) {
       const std::string tag = pdl ? "decode_b1_gemv_pdl_gemm" : "decode_b1_gemv_gemm";
-      const double t_gemv = decode_gemm_time(decode_gemms, s, hp, 1, 1, pdl, tag);
+      const double t_gemv = decode_gemm_time(decode_gemms, s, hp, 1, layer_gemm::gemv, pdl, tag);
       line(tag + "_only_step", t_gemv * 1e3, "ms");
       line(tag + "_only_over_roofline", t_gemv / roofline_of(1), "x");
     }
@@ -282,7 +286,7 @@ void run(const args& a) {
       const std::string tag = "decode_b1_gemv_streamed_s" + std::to_string(c.ctas_per_sm) + "_" + std::to_string(c.stages) +
                               "_" + std::to_string(c.chunk_bytes >> 10) + "_gemm";
       try {
-        const double t = decode_gemm_time(decode_gemms, s, hp, 1, 2, true, tag, c);
+        const double t = decode_gemm_time(decode_gemms, s, hp, 1, layer_gemm::gemv_streamed, true, tag, c);
         line(tag + "_only_over_roofline", t / roofline_of(1), "x");
         if (t < best_stream_t) best_stream_t = t, best_stream = c;
       } catch (const kc::cuda_error& e) {

@@ -34,8 +34,8 @@ void check_launch(const char* kernel);
 /// Number of CUDA devices (0 where there is no driver or no GPU; never throws).
 int device_count();
 
-/// While alive, the launches of add_rmsnorm, swiglu, rope_qkv_store, paged_attention and gemv_bf16
-/// made on this thread allow programmatic dependent launch (kernels/cuda/launch.cuh): each may
+/// While alive, the launches of add_rmsnorm, swiglu, rope_qkv_store, paged_attention, gemv_bf16
+/// and gemv_bf16_streamed made on this thread allow programmatic dependent launch (kernels/cuda/launch.cuh): each may
 /// start before the kernel ahead of it on the stream has finished, and waits for it inside.
 /// Ordinary launches (no scope, or `on` false) behave as before. Scopes nest.
 class pdl_scope {

@@ -183,11 +183,11 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_kernel(const uint8_t* __
 // bf16 weights, batch B <= 8: the cuBLASLt path at M = 1 read the small projections (qkv, o) at
 // 67-72% of the copy rate on an H200 (docs/perf.md §4). One warp per output row, each lane 16-byte
 // loads of 8 weights, gemv_bf16_unroll of them in flight before the first is used; the
-// activations (a few KB, shared by every warp) come through L1. Under programmatic dependent
-// launch it waits for the kernel ahead before anything (a variant that loaded its first weights
-// before waiting needed 56 registers instead of 36 and ran slower: docs/perf.md §4).
-// 8 at one or two rows (a Llama-3-8B row of 4,096 weights is then two trips of 4 KB per warp in
-// flight), 4 above, where each weight load also feeds B activation loads.
+// activations (a few KB, shared by every warp) come through L1. Unroll: 8 at one or two rows (a
+// Llama-3-8B row of 4,096 weights is then two trips of 4 KB per warp in flight), 4 above, where
+// each weight load also feeds B activation loads. Under programmatic dependent launch it waits
+// for the kernel ahead before anything (a variant that loaded its first weights before waiting
+// needed 56 registers instead of 36 and ran slower: docs/perf.md §4b).
 template <int B>
 constexpr int gemv_bf16_unroll = B <= 2 ? 8 : 4;
 
