@@ -134,6 +134,8 @@ void cuda_forward::setup() {
   attn_scratch_ = device_buffer(std::max(split_elems * (hp.head_dim + 2) * sizeof(float),
                                          kc::attention_scratch_bytes(cap_split_rows_, hp.n_heads, hp.head_dim, splits)),
                                 "attention split scratch");
+  attn_counters_ = device_buffer(splits > 1 ? kc::attention_counters(cap_split_rows_, hp.n_heads) * sizeof(unsigned) : 0,
+                                 "attention split counters");
   sample_scratch_ = device_buffer(kc::sample_scratch_bytes(cap_logits_, hp.n_vocab), "sampling scratch");
   tokens_dev_ = device_buffer((size_t)cap_logits_ * sizeof(int32_t), "sampled tokens");
   tokens_host_ = pinned_buffer((size_t)cap_logits_ * sizeof(int32_t), "sampled tokens");
@@ -153,6 +155,10 @@ void cuda_forward::setup() {
                            std::to_string(block_bytes >> 10) + " KiB");
   }
   kv_ = device_buffer(((size_t)n_blocks_ + 1) * block_bytes, "the KV cache");
+  // Zero once; paged_attention leaves them at zero after every call.
+  if (attn_counters_.bytes() > 0)
+    kc::check(cudaMemsetAsync(attn_counters_.as<void>(), 0, attn_counters_.bytes(), compute_.get()),
+              "clearing the attention counters");
   // Zeroed so that no read of an unwritten slot can bring a NaN into a masked product.
   kc::check(cudaMemsetAsync(kv_.as<void>(), 0, kv_.bytes(), compute_.get()), "clearing the KV cache");
   n_host_blocks_ = std::max(opt_.n_host_blocks, 0);
@@ -163,7 +169,7 @@ void cuda_forward::setup() {
 size_t cuda_forward::device_bytes() const {
   size_t n = weights_.device_bytes() + kv_.bytes() + stage_dev_.bytes() + gemm_runner::workspace_bytes;
   for (const device_buffer* b : {&x_, &h_, &qkv_, &q_, &attn_, &y_, &gu_, &act_, &out_rows_, &logits_dev_, &attn_scratch_,
-                                 &sample_scratch_, &tokens_dev_, &expand_})
+                                 &attn_counters_, &sample_scratch_, &tokens_dev_, &expand_})
     n += b->bytes();
   return n;
 }
@@ -358,15 +364,23 @@ void cuda_forward::stage_sampling(plan& p, std::span<const kc::sample_row_params
 
 // ---- the step -----------------------------------------------------------------------------------
 
+bool cuda_forward::bf16_gemv(const dev_matrix& w, int rows) const {
+  const launch_options& l = opt_.launch;
+  return w.w && rows <= std::min(l.bf16_gemv_rows, gemv_max_batch) && w.n_in % 8 == 0 &&
+         (l.bf16_gemv_max_bytes == 0 || (size_t)(w.n_out * w.n_in) * sizeof(bf16) <= l.bf16_gemv_max_bytes);
+}
+
+bool cuda_forward::streamed_gemv(const dev_matrix& w, int rows) const {
+  return opt_.launch.bf16_gemv_streamed && rows <= 2 && w.n_in % 256 == 0 && bf16_gemv(w, rows);
+}
+
 void cuda_forward::linear(const dev_matrix& w, const bf16* x, bf16* y, int rows, cudaStream_t s) {
   if (w.raw && rows <= gemv_max_batch) {
     kc::gemv_quant(w.qt, w.raw, w.n_out, w.n_in, x, y, rows, s);
-  } else if (w.w && rows <= std::min(opt_.launch.bf16_gemv_rows, gemv_max_batch) && w.n_in % 8 == 0 &&
-             (opt_.launch.bf16_gemv_max_bytes == 0 || (size_t)(w.n_out * w.n_in) * sizeof(bf16) <= opt_.launch.bf16_gemv_max_bytes)) {
-    if (opt_.launch.bf16_gemv_streamed && rows <= 2 && w.n_in % 256 == 0)
-      kc::gemv_bf16_streamed(w.w, w.n_out, w.n_in, x, y, rows, s, opt_.launch.bf16_gemv_stream);
-    else
-      kc::gemv_bf16(w.w, w.n_out, w.n_in, x, y, rows, s);
+  } else if (streamed_gemv(w, rows)) {
+    kc::gemv_bf16_streamed(w.w, w.n_out, w.n_in, x, y, rows, s, opt_.launch.bf16_gemv_stream);
+  } else if (bf16_gemv(w, rows)) {
+    kc::gemv_bf16(w.w, w.n_out, w.n_in, x, y, rows, s, opt_.launch.bf16_gemv_prefetch_bytes);
   } else if (w.w) {
     gemm_.run(x, w.w, y, gemm_out::bf16, rows, (int)w.n_out, (int)w.n_in, s);
   } else {
@@ -409,6 +423,7 @@ void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
     sc.max_splits = opt_.attention_splits;
     sc.partial_out = attn_scratch_.as<float>();
     sc.partial_ml = sc.partial_out + (size_t)cap_split_rows_ * hp.n_heads * sc.max_splits * hp.head_dim;
+    if (opt_.launch.attention_last_cta_merge && sc.max_splits > 1) sc.counters = attn_counters_.as<unsigned>();
   }
   const float scale = 1.0f / std::sqrt((float)hp.head_dim);
 
@@ -424,8 +439,12 @@ void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
     kc::paged_attention(q_.as<bf16>(), st, kv, il, hp.n_heads, scale, attn_.as<bf16>(), sc, s);
     linear(L.o, attn_.as<bf16>(), y, n, s);
     kc::add_rmsnorm(x, y, L.ffn_norm, h, n, d, hp.norm_eps, s);
-    linear(L.gate_up, h, gu_.as<bf16>(), n, s);
-    kc::swiglu(gu_.as<bf16>(), act_.as<bf16>(), n, hp.d_ff, s);
+    if (opt_.launch.gemv_swiglu && !L.gate_up.raw && bf16_gemv(L.gate_up, n) && !streamed_gemv(L.gate_up, n)) {
+      kc::gemv_bf16_swiglu(L.gate_up.w, hp.d_ff, d, h, act_.as<bf16>(), n, s, opt_.launch.bf16_gemv_prefetch_bytes);
+    } else {
+      linear(L.gate_up, h, gu_.as<bf16>(), n, s);
+      kc::swiglu(gu_.as<bf16>(), act_.as<bf16>(), n, hp.d_ff, s);
+    }
     linear(L.down, act_.as<bf16>(), y, n, s);
   }
   kc::add_rmsnorm(x, y, weights_.output_norm(), h, n, d, hp.norm_eps, s);

@@ -67,6 +67,19 @@ struct launch_options {
   /// each is scheduled while the one before it finishes and waits for it inside, so launch gaps
   /// overlap work (a batch-1 decode step 2-4% faster on an H200, docs/perf.md §4b).
   bool pdl = true;
+  /// The gate|up GEMV of such steps applies SwiGLU to its own outputs
+  /// (kernels::cuda::gemv_bf16_swiglu: the same bits, one launch and the gate|up round trip fewer
+  /// per layer). Not with the streamed GEMV. Off until a device measures it (troupe_gpu_bench's
+  /// decode_b1_fused).
+  bool gemv_swiglu = false;
+  /// Split-KV decode attention merges each row's splits in the last CTA to finish
+  /// (attention_scratch::counters) instead of a second kernel: the same bits, one launch fewer per
+  /// layer. Off until a device measures it (decode_b1_fused, decode_b64_fused).
+  bool attention_last_cta_merge = false;
+  /// gemv_bf16 (and gemv_bf16_swiglu) ask L2 for the first this many bytes of each weight row
+  /// before waiting for the kernel ahead (programmatic launch), so HBM streams weights while the
+  /// small kernels between GEMVs run. 0: off until a device measures it (decode_b1_prefetch_*).
+  int bf16_gemv_prefetch_bytes = 0;
 };
 
 struct cuda_options {
@@ -169,6 +182,10 @@ class cuda_forward {
   void launch(const plan& p);
   void run_layers(const plan& p, cudaStream_t s);
   void linear(const dev_matrix& w, const bf16* x, bf16* y, int rows, cudaStream_t s);
+  /// Whether linear() multiplies w for a step of `rows` rows with gemv_bf16 (or, streamed_gemv,
+  /// gemv_bf16_streamed) rather than cuBLASLt; quantized matrices kept raw take gemv_quant first.
+  bool bf16_gemv(const dev_matrix& w, int rows) const;
+  bool streamed_gemv(const dev_matrix& w, int rows) const;
   void drop_graphs();
   void output_rows(const plan& p, int first, int count, cudaStream_t s);
   cudaGraphExec_t capture(const plan& p, cudaStream_t s);
@@ -200,7 +217,7 @@ class cuda_forward {
   device_buffer stage_dev_;
 
   // Activations and outputs.
-  device_buffer x_, h_, qkv_, q_, attn_, y_, gu_, act_, out_rows_, logits_dev_, attn_scratch_, sample_scratch_, tokens_dev_,
+  device_buffer x_, h_, qkv_, q_, attn_, y_, gu_, act_, out_rows_, logits_dev_, attn_scratch_, attn_counters_, sample_scratch_, tokens_dev_,
       expand_;
   pinned_buffer tokens_host_;
   std::vector<float> logits_;

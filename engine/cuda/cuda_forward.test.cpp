@@ -134,7 +134,7 @@ TEST_CASE("CUDA forward: default model logits match the CPU over a prefill and 8
 
 TEST_CASE("CUDA forward: generated models (quantized GEMV decode, qwen2 biases and neox rope, f32)", "[cuda]") {
   for (const char* name : {"llama_q4_k", "qwen2_q6_k_gqa4", "llama_f32_hd64", "llama_q4_k_bf16", "llama_q4_k_bf16_gemv",
-                           "llama_q4_k_bf16_gemv_split", "llama_q4_k_bf16_gemv_streamed"}) {
+                           "llama_q4_k_bf16_gemv_split", "llama_q4_k_bf16_gemv_streamed", "llama_q4_k_bf16_gemv_fused"}) {
     const bool bf16_mode = std::string(name).starts_with("llama_q4_k_bf16");
     const auto m = load_model(std::string("tests/fixtures/generated/") + (bf16_mode ? "llama_q4_k" : name) + ".gguf");
     if (!m) continue;
@@ -145,6 +145,7 @@ TEST_CASE("CUDA forward: generated models (quantized GEMV decode, qwen2 biases a
       if (std::string(name).ends_with("_split"))  // ... for the matrices up to O's size, cuBLASLt for the larger ones
         o.launch.bf16_gemv_max_bytes = (size_t)m->hparams().d_model * m->hparams().n_heads * m->hparams().head_dim * 2;
       o.launch.bf16_gemv_streamed = std::string(name).ends_with("_streamed");  // 2-row decode steps, rows of 256k
+      o.launch.gemv_swiglu = o.launch.attention_last_cta_merge = std::string(name).ends_with("_fused");
       compare_with_cpu(*m, o, 5e-2);
     }
   }
@@ -259,6 +260,45 @@ TEST_CASE("CUDA forward: decode steps replayed from CUDA graphs equal eager runs
   CHECK(graph.graph_error().empty());
   CHECK(graph.n_graphs() >= 1);
   CHECK(eager.n_graphs() == 0);
+}
+
+TEST_CASE("CUDA forward: fused launches (GEMV with SwiGLU, last-CTA attention merge, prefetch) equal the unfused bit for bit", "[cuda]") {
+  const auto m = load_model("models/default.gguf");
+  if (!m) return;
+  const int n_vocab = m->hparams().n_vocab;
+  ec::cuda_options o = small_options(64);
+  o.launch.bf16_gemv_rows = 8;  // decode steps of up to 8 rows through gemv_bf16
+  ec::cuda_options fused_o = o;
+  fused_o.launch.gemv_swiglu = true;
+  fused_o.launch.attention_last_cta_merge = true;
+  fused_o.launch.bf16_gemv_prefetch_bytes = 2048;  // L2 prefetch changes no value either
+  ec::cuda_forward plain(*m, o), fused(*m, fused_o);
+
+  // Contexts past 64 positions, so decode attention splits (and merges) in every layer; replayed
+  // graphs run the counted merge again and again on the same counters.
+  std::vector<std::vector<token_id>> seqs = {prompt(*m, "One two three four five", 66), prompt(*m, "Hello there, general", 80),
+                                             prompt(*m, "Le petit prince dit", 100)};  // 246 <= max_batch_tokens
+  const std::vector<std::vector<int32_t>> tables = {{3, 7, 11, 50, 51}, {20, 1, 8, 9, 10, 12},
+                                                    {30, 31, 32, 33, 34, 35, 36}};
+  std::vector<seq_chunk> batch;
+  for (size_t s = 0; s < seqs.size(); ++s) batch.push_back({seqs[s], 0, tables[s]});
+  std::vector<float> a = plain.forward(batch);
+  REQUIRE(a == fused.forward(batch));
+  for (int step = 0; step < 8; ++step) {
+    const size_t n_seqs = step < 4 ? seqs.size() : 1;  // 3 rows, then 1 (another graph bucket)
+    std::vector<token_id> next(n_seqs);
+    for (size_t s = 0; s < n_seqs; ++s) next[s] = argmax(&a[s * n_vocab], n_vocab);
+    batch.clear();
+    for (size_t s = 0; s < n_seqs; ++s) {
+      seqs[s].push_back(next[s]);
+      batch.push_back({std::span(seqs[s]).last(1), (int64_t)seqs[s].size() - 1, tables[s]});
+    }
+    a = plain.forward(batch);
+    INFO("decode step " << step);
+    REQUIRE(a == fused.forward(batch));
+  }
+  CHECK(fused.graph_error().empty());
+  CHECK(fused.n_graphs() >= 2);
 }
 
 TEST_CASE("CUDA forward: copy_blocks moves blocks device -> host -> device byte for byte", "[cuda]") {

@@ -1,10 +1,12 @@
 // troupe_gpu_bench: device figures for docs/perf.md, one line each, "name value unit".
 //
 //   troupe_gpu_bench [--arch llama-3-8b] [--context 512] [--steps 20] [--device 0] [--decode-only B]
-//                    [--streamed 0|1]
+//                    [--streamed 0|1] [--fused 0|1] [--prefetch BYTES]
 //
 // --decode-only B: only the model and its decode steps at batch B (one line), for a profiler
-// (scripts/gpu-profile); --streamed 1 makes those steps use gemv_bf16_streamed (default pipeline).
+// (scripts/gpu-profile); --streamed 1 makes those steps use gemv_bf16_streamed (default pipeline),
+// --fused 1 the fused launches (launch_options::gemv_swiglu, attention_last_cta_merge), --prefetch
+// launch_options::bf16_gemv_prefetch_bytes.
 //
 // - d2d_copy_bandwidth: cudaMemcpy of 2 GiB device to device, best of 5, counting bytes read
 //   plus bytes written (2 x 2 GiB per copy): the rate HBM sustains for a pure stream.
@@ -22,7 +24,9 @@
 //   launch_options::bf16_gemv_rows covering the batch (gemv_bf16 for the layers' weights),
 //   decode_b1_cublas_* with cuBLASLt, decode_b1_split_* with gemv_bf16 for the qkv and o
 //   matrices only (bf16_gemv_max_bytes 64 MiB), decode_b{1,2}_streamed_* through
-//   gemv_bf16_streamed, *_nopdl_* with launch_options::pdl off;
+//   gemv_bf16_streamed, *_nopdl_* with launch_options::pdl off, *_fused_* with gemv_swiglu and
+//   attention_last_cta_merge on (decode_b1_merge_only_*: the merge alone), *_prefetch_Nk_* with
+//   launch_options::bf16_gemv_prefetch_bytes N KiB;
 //   decode_b1_gemv[_pdl]_gemm_*: the GEMVs alone as the GEMMs above, launched plainly or with
 //   programmatic dependent launch.
 // - prefill_2048: one 2048-token chunk, best of 3; FLOPs = 2 * layer params * tokens + 2 * head
@@ -141,6 +145,8 @@ struct args {
   int device = 0;
   int decode_only = 0;  // > 0: only decode steps at this batch (for a profiler), no other figures
   bool streamed = false;  // --decode-only steps through gemv_bf16_streamed
+  bool fused = false;     // ... with launch_options::gemv_swiglu and attention_last_cta_merge
+  int prefetch = 0;       // ... and bf16_gemv_prefetch_bytes
 };
 
 args parse(int argc, char** argv) {
@@ -155,7 +161,9 @@ args parse(int argc, char** argv) {
     else if (k == "--device") a.device = std::stoi(v);
     else if (k == "--decode-only") a.decode_only = std::stoi(v);
     else if (k == "--streamed") a.streamed = std::stoi(v) != 0;
-    else throw std::invalid_argument("unknown option " + k + " (--arch, --context, --steps, --device, --decode-only, --streamed)");
+    else if (k == "--fused") a.fused = std::stoi(v) != 0;
+    else if (k == "--prefetch") a.prefetch = std::stoi(v);
+    else throw std::invalid_argument("unknown option " + k + " (--arch, --context, --steps, --device, --decode-only, --streamed, --fused, --prefetch)");
   }
   if (a.context < a.steps + 4 || a.steps < 1) throw std::invalid_argument("--context must exceed --steps + 3, --steps >= 1");
   return a;
@@ -208,6 +216,8 @@ void run(const args& a) {
     o.max_context = a.context;
     o.n_blocks = a.decode_only * kv_blocks_for(a.context, o.block_size);
     o.launch.bf16_gemv_streamed = a.streamed;
+    o.launch.gemv_swiglu = o.launch.attention_last_cta_merge = a.fused;
+    o.launch.bf16_gemv_prefetch_bytes = a.prefetch;
     auto f = ec::cuda_forward::synthetic(a.arch, o);
     line("decode_b" + std::to_string(a.decode_only) + "_step", decode_step_time(*f, a.decode_only, a) * 1e3, "ms");
     return;
@@ -297,15 +307,46 @@ void run(const args& a) {
                 best_stream.stages, best_stream.chunk_bytes >> 10);
     line("decode_b1_gemv_streamed_best_gemm_only_over_roofline", best_stream_t / roofline_of(1), "x");
     // Whole steps with other launch options than the defaults above (decode_bN).
-    auto variant = [&](int batch, const char* name, int gemv_rows, bool pdl, size_t gemv_max_bytes = 0,
-                       bool streamed = false) {
-      f->set_launch_options({gemv_rows, gemv_max_bytes, streamed, best_stream, pdl});
+    auto options = [&](int gemv_rows, bool pdl, size_t gemv_max_bytes = 0, bool streamed = false) {
+      ec::launch_options l = o.launch;
+      l.bf16_gemv_rows = gemv_rows;
+      l.bf16_gemv_max_bytes = gemv_max_bytes;
+      l.bf16_gemv_streamed = streamed;
+      l.bf16_gemv_stream = best_stream;
+      l.pdl = pdl;
+      return l;
+    };
+    auto fused = [](ec::launch_options l) {
+      l.gemv_swiglu = l.attention_last_cta_merge = true;
+      return l;
+    };
+    auto run_variant = [&](int batch, const char* name, const ec::launch_options& l) {
+      f->set_launch_options(l);
       const std::string b = "decode_b" + std::to_string(batch) + name;
       const double t = decode_step_time(*f, batch, a);
       line(b + "_step", t * 1e3, "ms");
       line(b + "_tokens_per_s", batch / t, "tok/s");
       line(b + "_time_over_roofline", t / roofline_of(batch), "x");
     };
+    auto variant = [&](int batch, const char* name, int gemv_rows, bool pdl, size_t gemv_max_bytes = 0,
+                       bool streamed = false) { run_variant(batch, name, options(gemv_rows, pdl, gemv_max_bytes, streamed)); };
+    // SwiGLU in the gate|up GEMV and the last-CTA attention merge (the streamed GEMV: the merge only).
+    run_variant(1, "_fused", fused(options(1, true)));
+    run_variant(1, "_merge_only", [&] {
+      ec::launch_options l = options(1, true);
+      l.attention_last_cta_merge = true;
+      return l;
+    }());
+    run_variant(1, "_streamed_fused", fused(options(1, true, 0, true)));
+    run_variant(64, "_fused", fused(options(o.launch.bf16_gemv_rows, true)));
+    // L2 prefetch of each GEMV row's first KiB before the programmatic wait.
+    for (const int kib : {1, 2, 4, 8}) {
+      ec::launch_options l = options(1, true);
+      l.bf16_gemv_prefetch_bytes = kib << 10;
+      run_variant(1, ("_prefetch_" + std::to_string(kib) + "k").c_str(), l);
+      l = fused(l);
+      run_variant(1, ("_fused_prefetch_" + std::to_string(kib) + "k").c_str(), l);
+    }
     variant(1, "_cublas", 0, true);
     variant(1, "_cublas_nopdl", 0, false);
     variant(1, "_gemv_nopdl", 1, false);

@@ -5,7 +5,8 @@
 //    fp32 accumulate); the online softmax is fp32 in the exp2 domain (log2e folded into the scale).
 //  - decode_kernel (+ merge_kernel): flash-decoding for sequences with q_len == 1. One CTA per
 //    (sequence, up to 8 heads of one kv head, KV split); long KV is split across CTAs whose
-//    partial (out, max, sum) go to scratch and are merged by a second kernel.
+//    partial (out, max, sum) go to scratch and are merged by a second kernel, or, given arrival
+//    counters (attention_scratch::counters), by the last CTA of each row and head chunk to finish.
 // A CTA whose sequence is not of its kind exits at once, so the host needs no per-sequence list.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -42,8 +43,8 @@ constexpr int dec_threads = 128;
 constexpr int dec_split_min_kv = 64;
 constexpr int dec_kv_per_split = 64;
 constexpr int dec_target_waves = 4;
-constexpr int dec_max_heads = 8;
-constexpr int dec_stages = 2;  // cp.async stages of a decode CTA's K/V chunks  // query heads per decode CTA (a larger GQA group takes more CTAs)
+constexpr int dec_max_heads = 8;  // query heads per decode CTA (a larger GQA group takes more CTAs)
+constexpr int dec_stages = 2;     // cp.async stages of a decode CTA's K/V chunks
 
 // Splits for a decode row with kv_len positions when at most cap are allowed. Host and device
 // must agree (the merge kernel recomputes it), hence one function.
@@ -319,15 +320,40 @@ __device__ __forceinline__ void fp16x8_to_float(const uint4& raw, float (&f)[8])
   }
 }
 
+// Dimension d of one decode row and head from its n_split partials at slots [slot0, slot0 +
+// n_split): each split weighted by sum * 2^(max - overall max), splits in index order (so the
+// merge kernel and the last-CTA merge give the same bits). Loads bypass L1 (__ldcg): in the
+// last-CTA merge the partials were written by other CTAs of the same launch, and an L1 line
+// cached earlier on this SM could be stale.
+template <int HD>
+__device__ __forceinline__ float merge_splits(const float* part_out, const float* part_ml, int64_t slot0, int n_split,
+                                              int d) {
+  float m = -INFINITY;
+  for (int sp = 0; sp < n_split; ++sp)
+    if (__ldcg(part_ml + (slot0 + sp) * 2 + 1) > 0.0f) m = fmaxf(m, __ldcg(part_ml + (slot0 + sp) * 2));
+  float l = 0.0f, o = 0.0f;
+  for (int sp = 0; sp < n_split; ++sp) {
+    const float ls = __ldcg(part_ml + (slot0 + sp) * 2 + 1);
+    if (!(ls > 0.0f)) continue;  // an empty split
+    const float w = ls * exp2f(__ldcg(part_ml + (slot0 + sp) * 2) - m);
+    l += w;
+    o = fmaf(w, __ldcg(part_out + (slot0 + sp) * HD + d), o);
+  }
+  return l > 0.0f ? o / l : 0.0f;
+}
+
 // Grid (n_seqs, n_kv_heads * head chunks, n_split_max). Each group of HD / 8 lanes reads one
 // position's K and V head rows with 16-byte loads (8 dims per lane) and keeps its own online
 // softmax for every head of the CTA; the groups are merged through shared memory at the end.
-// With one split the CTA writes the output row; otherwise (out / sum, max, sum) go to scratch.
+// With one split the CTA writes the output row; otherwise (out / sum, max, sum) go to scratch,
+// and with `counters` (one zeroed counter per (sequence, blockIdx.y)) each CTA then counts itself
+// in; the last of the row's splits merges them (merge_splits) and sets the counter back to zero
+// for the next launch. Without counters merge_kernel merges.
 template <int HD, int GT>
 __global__ void __launch_bounds__(dec_threads)
     decode_kernel(const bf16* __restrict__ q, step_layout st, kv_cache_view kv, int layer, int n_heads,
                   float scale_log2, int n_split_max, bf16* __restrict__ out, float* __restrict__ part_out,
-                  float* __restrict__ part_ml, int max_splits) {
+                  float* __restrict__ part_ml, int max_splits, unsigned* __restrict__ counters) {
   constexpr int lpp = HD / 8;               // lanes per position
   constexpr int subs = dec_threads / lpp;   // positions in flight across the CTA per step
   constexpr int unroll = GT >= 8 ? 2 : 4;   // positions per lane group per step (loads in flight)
@@ -346,6 +372,7 @@ __global__ void __launch_bounds__(dec_threads)
     } red;
   };
   __shared__ smem_t sm;
+  __shared__ bool merge_here;
 
   pdl_launch_dependents();
   pdl_wait();
@@ -494,10 +521,28 @@ __global__ void __launch_bounds__(dec_threads)
       }
     }
   }
+  if (n_split == 1 || counters == nullptr) return;
+
+  // Count this split in; the last to arrive merges. Release: every thread's partials are made
+  // visible device-wide before thread 0's atomic; acquire: the fence after seeing the count.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* count = counters + (int64_t)seq * gridDim.y + blockIdx.y;
+    merge_here = atomicAdd(count, 1u) == unsigned(n_split - 1);
+    if (merge_here) atomicExch(count, 0u);  // every split has arrived: nobody else touches it now
+  }
+  __syncthreads();
+  if (!merge_here) return;
+  __threadfence();
+  for (int idx = threadIdx.x; idx < n_h * HD; idx += dec_threads) {
+    const int h = idx / HD, d = idx % HD;
+    const int64_t row_head = (int64_t)tok * n_heads + h0 + h;
+    out[row_head * HD + d] = __float2bfloat16_rn(merge_splits<HD>(part_out, part_ml, row_head * max_splits, n_split, d));
+  }
 }
 
-// Grid (n_seqs, n_heads), HD threads: combines the splits of one decode row and head, each split
-// weighted by sum * 2^(max - overall max).
+// Grid (n_seqs, n_heads), HD threads: combines the splits of one decode row and head.
 template <int HD>
 __global__ void __launch_bounds__(HD)
     merge_kernel(step_layout st, int n_heads, int n_split_max, const float* __restrict__ part_out,
@@ -510,19 +555,7 @@ __global__ void __launch_bounds__(HD)
   const int n_split = decode_splits(st.pos0[seq] + 1, n_split_max);
   if (n_split <= 1) return;  // decode_kernel wrote this row itself
   const int64_t row_head = (int64_t)tok * n_heads + head;
-  const int64_t slot0 = row_head * max_splits;
-  float m = -INFINITY;
-  for (int sp = 0; sp < n_split; ++sp)
-    if (part_ml[(slot0 + sp) * 2 + 1] > 0.0f) m = fmaxf(m, part_ml[(slot0 + sp) * 2]);
-  float l = 0.0f, o = 0.0f;
-  for (int sp = 0; sp < n_split; ++sp) {
-    const float ls = part_ml[(slot0 + sp) * 2 + 1];
-    if (!(ls > 0.0f)) continue;  // an empty split
-    const float w = ls * exp2f(part_ml[(slot0 + sp) * 2] - m);
-    l += w;
-    o = fmaf(w, part_out[(slot0 + sp) * HD + d], o);
-  }
-  out[row_head * HD + d] = __float2bfloat16_rn(l > 0.0f ? o / l : 0.0f);
+  out[row_head * HD + d] = __float2bfloat16_rn(merge_splits<HD>(part_out, part_ml, row_head * max_splits, n_split, d));
 }
 
 // ---- launch ---------------------------------------------------------------------------------------
@@ -570,9 +603,9 @@ void launch_decode(const bf16* q, const step_layout& st, const kv_cache_view& kv
   const int n_split_max = decode_splits(st.max_kv_len, cap);
   const dim3 grid(st.n_seqs, kv.n_kv_heads * head_chunks, n_split_max);
   launch(decode_kernel<HD, GT>, grid, dec_threads, 0, stream, q, st, kv, layer, n_heads, scale_log2, n_split_max, out,
-         scratch.partial_out, scratch.partial_ml, scratch.max_splits);
+         scratch.partial_out, scratch.partial_ml, scratch.max_splits, scratch.counters);
   check_launch("paged_attention decode_kernel");
-  if (n_split_max > 1) {
+  if (n_split_max > 1 && scratch.counters == nullptr) {
     launch(merge_kernel<HD>, dim3(st.n_seqs, n_heads), HD, 0, stream, st, n_heads, n_split_max, scratch.partial_out,
            scratch.partial_ml, scratch.max_splits, out);
     check_launch("paged_attention merge_kernel");
@@ -601,6 +634,8 @@ size_t attention_scratch_bytes(int n_tokens, int n_heads, int head_dim, int max_
   return (size_t)n_tokens * n_heads * max_splits * (head_dim + 2) * sizeof(float);
 }
 
+size_t attention_counters(int n_tokens, int n_heads) { return (size_t)std::max(n_tokens, 0) * std::max(n_heads, 0); }
+
 void paged_attention(const bf16* q, const step_layout& st, const kv_cache_view& kv, int layer, int n_heads,
                      float scale, bf16* out, const attention_scratch& scratch, cudaStream_t stream) {
   const int hd = kv.head_dim;
@@ -616,6 +651,8 @@ void paged_attention(const bf16* q, const step_layout& st, const kv_cache_view& 
   if (layer < 0 || layer >= kv.n_layers) throw cuda_error("paged_attention: layer out of range");
   if (scratch.max_splits > 1 && (scratch.partial_out == nullptr || scratch.partial_ml == nullptr))
     throw cuda_error("paged_attention: max_splits > 1 needs scratch buffers");
+  if (scratch.counters != nullptr && scratch.max_splits <= 1)
+    throw cuda_error("paged_attention: counters without split-KV scratch (max_splits > 1)");
   if (st.n_seqs <= 0 || st.n_tokens <= 0) return;
   const float scale_log2 = scale * log2e;
   if (hd == 64)

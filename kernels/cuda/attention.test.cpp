@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -62,8 +63,18 @@ double row_normalized_error(const std::vector<float>& got, const std::vector<flo
   return worst;
 }
 
-// Runs one step on the device and on the CPU; returns the per-row normalized error of the output.
-double run_case(const attn_case& c, uint64_t seed) {
+// What one step on the device gave: the output's bits, its per-row normalized error against the
+// CPU, and (fused merge) the arrival counters after the call.
+struct attn_result {
+  double error = 0.0;
+  std::vector<uint16_t> bits;
+  std::vector<unsigned> counters;
+};
+
+// Runs one step on the device and on the CPU. fused_merge: split rows are merged by their last
+// CTA (attention_scratch::counters, zeroed first) instead of merge_kernel; the step runs twice
+// then, the second time on a poisoned output, so a counter left nonzero would show.
+attn_result run_step(const attn_case& c, uint64_t seed, bool fused_merge) {
   std::mt19937_64 rng(seed);
   const int hd = c.head_dim;
   const int block_size = c.block_size;
@@ -167,10 +178,24 @@ double run_case(const attn_case& c, uint64_t seed) {
     sc.partial_ml = d_scratch.p + (size_t)n_tokens * c.n_heads * c.max_splits * hd;
     sc.max_splits = c.max_splits;
   }
+  dev_buf<unsigned> d_counters(attention_counters(n_tokens, c.n_heads));
+  check(cudaMemset(d_counters.p, 0, d_counters.bytes()), "cudaMemset");
+  if (fused_merge) sc.counters = d_counters.p;
   paged_attention(d_q.p, st, kv, layer, c.n_heads, scale, d_out.p, sc, nullptr);
+  if (fused_merge) {
+    d_out.poison();
+    paged_attention(d_q.p, st, kv, layer, c.n_heads, scale, d_out.p, sc, nullptr);
+  }
   check(cudaDeviceSynchronize(), "paged_attention");
-  return row_normalized_error(from_bf16(d_out.download()), want, hd);
+  attn_result r;
+  const std::vector<bf16> out = d_out.download();
+  r.error = row_normalized_error(from_bf16(out), want, hd);
+  for (const bf16 v : out) r.bits.push_back(__nv_bfloat16_raw(v).x);
+  r.counters = d_counters.download();
+  return r;
 }
+
+double run_case(const attn_case& c, uint64_t seed) { return run_step(c, seed, false).error; }
 
 }  // namespace
 
@@ -199,6 +224,24 @@ TEST_CASE("paged_attention decode-only batch splits long rows", "[cuda]") {
   INFO("head_dim " << head_dim << " seed " << seed);
   attn_case c{32, 8, head_dim, 16, {{0, 1}, {512, 1}, {513, 1}, {1023, 1}, {4095, 1}, {77, 1}, {2500, 1}}};
   CHECK(run_case(c, seed) <= 2e-2);
+}
+
+TEST_CASE("paged_attention's last-CTA merge equals merge_kernel bit for bit and resets its counters", "[cuda]") {
+  struct shape {
+    int n_heads, n_kv_heads, head_dim;
+  };
+  const shape sh = GENERATE(shape{32, 8, 128},   // GQA 4
+                            shape{9, 3, 64},     // GQA 3
+                            shape{16, 1, 64});   // GQA 16: two CTAs (two counters) per kv head
+  const uint64_t seed = fresh_seed();
+  INFO("n_heads " << sh.n_heads << " n_kv_heads " << sh.n_kv_heads << " head_dim " << sh.head_dim << " seed " << seed);
+  attn_case c{sh.n_heads, sh.n_kv_heads, sh.head_dim, 16, mixed_step()};
+  c.seqs.push_back({4095, 1});  // 16 splits
+  c.seqs.push_back({64, 1});    // 65 positions: 2 splits
+  const attn_result kernel = run_step(c, seed, false), fused = run_step(c, seed, true);
+  CHECK(fused.error <= 2e-2);
+  CHECK(fused.bits == kernel.bits);
+  CHECK(std::all_of(fused.counters.begin(), fused.counters.end(), [](unsigned v) { return v == 0; }));
 }
 
 TEST_CASE("paged_attention reads any block_size through the block table", "[cuda]") {
@@ -243,4 +286,8 @@ TEST_CASE("paged_attention rejects unsupported shapes", "[cuda]") {
   CHECK_THROWS_AS(paged_attention(nullptr, st, kv, 0, 5, 1.0f, nullptr, sc, nullptr), cuda_error);  // 5 % 2
   CHECK_THROWS_AS(paged_attention(nullptr, st, kv, 0, 130, 1.0f, nullptr, sc, nullptr), cuda_error);  // group 65
   CHECK_NOTHROW(paged_attention(nullptr, st, kv, 0, 4, 1.0f, nullptr, sc, nullptr));  // empty step: no launch
+  attention_scratch counted;
+  unsigned counter = 0;
+  counted.counters = &counter;  // counters without split scratch
+  CHECK_THROWS_AS(paged_attention(nullptr, st, kv, 0, 4, 1.0f, nullptr, counted, nullptr), cuda_error);
 }

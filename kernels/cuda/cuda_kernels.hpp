@@ -34,8 +34,8 @@ void check_launch(const char* kernel);
 /// Number of CUDA devices (0 where there is no driver or no GPU; never throws).
 int device_count();
 
-/// While alive, the launches of add_rmsnorm, swiglu, rope_qkv_store, paged_attention, gemv_bf16
-/// and gemv_bf16_streamed made on this thread allow programmatic dependent launch (kernels/cuda/launch.cuh): each may
+/// While alive, the launches of add_rmsnorm, swiglu, rope_qkv_store, paged_attention, gemv_bf16,
+/// gemv_bf16_swiglu and gemv_bf16_streamed made on this thread allow programmatic dependent launch (kernels/cuda/launch.cuh): each may
 /// start before the kernel ahead of it on the stream has finished, and waits for it inside.
 /// Ordinary launches (no scope, or `on` false) behave as before. Scopes nest.
 class pdl_scope {
@@ -134,15 +134,22 @@ void rope_qkv_store(const bf16* qkv, const float* bq, const float* bk, const flo
 /// n_kv_heads)). q bf16 [n_tokens, n_heads * hd]; out bf16 likewise. FlashAttention-style:
 /// tiles of queries against tiles of keys with an online softmax in fp32; no score matrix in
 /// memory. Rows of decode-only sequences (q_len 1) take a split-KV path (flash-decoding) when
-/// their KV is long: partial results go to `scratch` and are merged by a second kernel.
+/// their KV is long: partial results go to `scratch` and are merged by a second kernel, or, with
+/// `counters`, by the last split to finish (one launch fewer; the result is the same bits).
 /// head_dim must be 64 or 128 (others: cuda_error). scale usually 1/sqrt(head_dim).
 struct attention_scratch {
   float* partial_out = nullptr;  // [n_tokens, n_heads, max_splits, head_dim]
   float* partial_ml = nullptr;   // [n_tokens, n_heads, max_splits, 2] (running max, sum)
   int max_splits = 0;            // 0 disables split-KV
+  /// Optional: attention_counters(n_tokens, n_heads) arrival counters, zero before the first
+  /// call; every call leaves them at zero again (so graphs may replay it). Not shared between
+  /// calls that may run at the same time.
+  unsigned* counters = nullptr;
 };
 /// Bytes of scratch needed for n_tokens rows with up to max_splits splits.
 size_t attention_scratch_bytes(int n_tokens, int n_heads, int head_dim, int max_splits);
+/// Counters attention_scratch::counters needs for n_tokens rows.
+size_t attention_counters(int n_tokens, int n_heads);
 
 void paged_attention(const bf16* q, const step_layout& st, const kv_cache_view& kv, int layer, int n_heads,
                      float scale, bf16* out, const attention_scratch& scratch, cudaStream_t stream);
@@ -159,8 +166,18 @@ void gemv_quant(quant_type t, const void* w, int64_t n_out, int64_t n_in, const 
                 cudaStream_t stream);
 
 /// The same product with bf16 weights [n_out, n_in] (n_in a multiple of 8, w and x 16-byte
-/// aligned): small-batch decode without cuBLASLt (engine::cuda::launch_options).
-void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream);
+/// aligned): small-batch decode without cuBLASLt (engine::cuda::launch_options). prefetch_bytes
+/// > 0: each row's first that many bytes are asked of L2 before the kernel waits for the one
+/// ahead (under pdl_scope; the results are the same).
+void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream,
+               int prefetch_bytes = 0);
+
+/// gemv_bf16 over the fused gate|up matrix w [2 * d_ff, n_in] (gate rows first) followed by
+/// swiglu, in one kernel: act[b, j] = silu(gate_j . x_b) * (up_j . x_b), each dot product
+/// rounded to bf16 first, so act holds the same bits as gemv_bf16 into a [batch, 2 * d_ff]
+/// buffer and swiglu from it. Same limits as gemv_bf16.
+void gemv_bf16_swiglu(const bf16* w, int64_t d_ff, int64_t n_in, const bf16* x, bf16* act, int batch,
+                      cudaStream_t stream, int prefetch_bytes = 0);
 
 /// The shape of gemv_bf16_streamed's pipeline: CTAs per SM, shared-memory stages, bytes a bulk
 /// copy (a multiple of 512, at most 64 KiB). Untuned: 2 x 4 x 16 KiB until a device measures.

@@ -26,6 +26,14 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float (&f)[8])
   }
 }
 
+/// SwiGLU's product silu(g) * u = g / (1 + e^-g) * u: one function, so the swiglu kernel and the
+/// GEMV that applies it to its own outputs give the same bits.
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+/// Asks L2 for the 128-byte line at p (no register holds anything; the load that wants it later
+/// finds it in L2 if it arrived and stayed).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 /// The shared-state-space address of a pointer into shared memory (PTX operands).
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));

@@ -177,7 +177,7 @@ __global__ void swiglu_kernel(const bf16* gu, bf16* out, int rows, int d_ff) {
       load<V>(gate + i, g);
       load<V>(up + i, u);
 #pragma unroll
-      for (int k = 0; k < V; ++k) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+      for (int k = 0; k < V; ++k) g[k] = silu_mul(g[k], u[k]);
       store<V>(dst + i, g);
     }
   }

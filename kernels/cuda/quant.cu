@@ -205,17 +205,22 @@ __device__ __forceinline__ void gemv_bf16_acc(const uint4& wr, const bf16* __res
   }
 }
 
+// Before pdl_wait(): the first `bytes` of a weight row (a kernel input no kernel writes) asked of
+// L2, a line per lane, while the kernel ahead still runs and HBM would idle.
+__device__ __forceinline__ void gemv_prefetch_row(const bf16* row_w, int64_t n_in, int bytes) {
+  const int64_t n = bytes < n_in * int64_t(sizeof(bf16)) ? bytes : n_in * int64_t(sizeof(bf16));
+  const char* p = reinterpret_cast<const char*>(row_w);
+  for (int64_t off = int64_t(threadIdx.x & 31) * 128; off < n; off += 32 * 128) prefetch_l2(p + off);
+}
+
+// One warp's dot products of weight row `row` (n_in bf16, 16-byte aligned) with the B activation
+// rows of x; every lane returns the totals.
 template <int B>
-__global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_kernel(const bf16* __restrict__ w, int64_t n_out, int64_t n_in,
-                                                                    const bf16* __restrict__ x, bf16* __restrict__ y) {
-  pdl_launch_dependents();
-  pdl_wait();
+__device__ __forceinline__ void gemv_bf16_row(const bf16* __restrict__ row_w, int64_t n_in, const bf16* __restrict__ x,
+                                              float (&acc)[B]) {
   const int lane = threadIdx.x & 31;
-  const int64_t o = int64_t(blockIdx.x) * gemv_warps + (threadIdx.x >> 5);
-  if (o >= n_out) return;  // whole warps leave together
-  const uint4* row = reinterpret_cast<const uint4*>(w + o * n_in);
+  const uint4* row = reinterpret_cast<const uint4*>(row_w);
   const int64_t n_vec = n_in / 8;
-  float acc[B];
 #pragma unroll
   for (int b = 0; b < B; ++b) acc[b] = 0.0f;
   constexpr int U = gemv_bf16_unroll<B>;
@@ -229,9 +234,57 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_kernel(const bf16* 
   }
   for (; v < n_vec; v += 32) gemv_bf16_acc<B>(__ldcs(row + v), x, n_in, v, acc);
 #pragma unroll
-  for (int b = 0; b < B; ++b) {
-    const float s = warp_sum(acc[b]);
-    if (lane == b) y[b * n_out + o] = __float2bfloat16_rn(s);
+  for (int b = 0; b < B; ++b) acc[b] = warp_sum(acc[b]);
+}
+
+template <int B>
+__global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_kernel(const bf16* __restrict__ w, int64_t n_out, int64_t n_in,
+                                                                    const bf16* __restrict__ x, bf16* __restrict__ y,
+                                                                    int prefetch_bytes) {
+  pdl_launch_dependents();
+  const int lane = threadIdx.x & 31;
+  const int64_t o = int64_t(blockIdx.x) * gemv_warps + (threadIdx.x >> 5);
+  if (o < n_out && prefetch_bytes > 0) gemv_prefetch_row(w + o * n_in, n_in, prefetch_bytes);
+  pdl_wait();
+  if (o >= n_out) return;  // whole warps leave together
+  float acc[B];
+  gemv_bf16_row<B>(w + o * n_in, n_in, x, acc);
+#pragma unroll
+  for (int b = 0; b < B; ++b)
+    if (lane == b) y[b * n_out + o] = __float2bfloat16_rn(acc[b]);
+}
+
+// The gate|up GEMV with SwiGLU on its outputs: CTA c computes act[:, 2c] and act[:, 2c + 1], its
+// warps taking gate rows 2c, 2c + 1 and up rows d_ff + 2c, d_ff + 2c + 1 (the same per-row sums
+// as gemv_bf16_kernel, rounded to bf16 as it stores them), then silu_mul as swiglu does: the
+// result is the bits of gemv_bf16 followed by swiglu, without the gate|up round trip or a launch.
+template <int B>
+__global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_swiglu_kernel(const bf16* __restrict__ w, int64_t d_ff,
+                                                                           int64_t n_in, const bf16* __restrict__ x,
+                                                                           bf16* __restrict__ act, int prefetch_bytes) {
+  static_assert(gemv_warps == 4, "two gate and two up rows a CTA");
+  __shared__ float sums[gemv_warps][B];
+  pdl_launch_dependents();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t j = int64_t(blockIdx.x) * 2 + (warp & 1);
+  if (j < d_ff && prefetch_bytes > 0) gemv_prefetch_row(w + ((warp >> 1) * d_ff + j) * n_in, n_in, prefetch_bytes);
+  pdl_wait();
+  if (j < d_ff) {  // the last CTA of an odd d_ff has one column: its other warps only synchronize
+    float acc[B];
+    gemv_bf16_row<B>(w + ((warp >> 1) * d_ff + j) * n_in, n_in, x, acc);
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+      if (lane == b) sums[warp][b] = acc[b];
+  }
+  __syncthreads();
+  if (threadIdx.x < 2 * B) {
+    const int pair = threadIdx.x & 1, b = threadIdx.x >> 1;
+    const int64_t jj = int64_t(blockIdx.x) * 2 + pair;
+    if (jj < d_ff) {
+      const float g = __bfloat162float(__float2bfloat16_rn(sums[pair][b]));
+      const float u = __bfloat162float(__float2bfloat16_rn(sums[2 + pair][b]));
+      act[b * d_ff + jj] = __float2bfloat16_rn(silu_mul(g, u));
+    }
   }
 }
 
@@ -285,20 +338,40 @@ void check_args(quant_type t, const void* w, int64_t n, const char* name) {
 
 }  // namespace
 
-void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream) {
+void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream,
+               int prefetch_bytes) {
   if (batch < 1 || batch > max_batch) throw cuda_error("gemv_bf16: batch must be in [1, 8]");
+  if (prefetch_bytes < 0) throw cuda_error("gemv_bf16: prefetch_bytes must be >= 0");
   if (n_in % 8 != 0) throw cuda_error("gemv_bf16: n_in must be a multiple of 8");
   if (!aligned(w, 16) || !aligned(x, 16)) throw cuda_error("gemv_bf16: w and x must be 16-byte aligned");
   if (n_out <= 0 || n_in <= 0) return;
   const auto blocks = unsigned((n_out + gemv_warps - 1) / gemv_warps);
   switch (batch) {
 #define TROUPE_GEMV_BF16(B) \
-  case B: launch(gemv_bf16_kernel<B>, blocks, gemv_warps * 32, 0, stream, w, n_out, n_in, x, y); break;
+  case B: launch(gemv_bf16_kernel<B>, blocks, gemv_warps * 32, 0, stream, w, n_out, n_in, x, y, prefetch_bytes); break;
     TROUPE_GEMV_BF16(1) TROUPE_GEMV_BF16(2) TROUPE_GEMV_BF16(3) TROUPE_GEMV_BF16(4)
     TROUPE_GEMV_BF16(5) TROUPE_GEMV_BF16(6) TROUPE_GEMV_BF16(7) TROUPE_GEMV_BF16(8)
 #undef TROUPE_GEMV_BF16
   }
   check_launch("gemv_bf16");
+}
+
+void gemv_bf16_swiglu(const bf16* w, int64_t d_ff, int64_t n_in, const bf16* x, bf16* act, int batch, cudaStream_t stream,
+                      int prefetch_bytes) {
+  if (batch < 1 || batch > max_batch) throw cuda_error("gemv_bf16_swiglu: batch must be in [1, 8]");
+  if (prefetch_bytes < 0) throw cuda_error("gemv_bf16_swiglu: prefetch_bytes must be >= 0");
+  if (n_in % 8 != 0) throw cuda_error("gemv_bf16_swiglu: n_in must be a multiple of 8");
+  if (!aligned(w, 16) || !aligned(x, 16)) throw cuda_error("gemv_bf16_swiglu: w and x must be 16-byte aligned");
+  if (d_ff <= 0 || n_in <= 0) return;
+  const auto blocks = unsigned((d_ff + 1) / 2);
+  switch (batch) {
+#define TROUPE_GEMV_BF16_SWIGLU(B) \
+  case B: launch(gemv_bf16_swiglu_kernel<B>, blocks, gemv_warps * 32, 0, stream, w, d_ff, n_in, x, act, prefetch_bytes); break;
+    TROUPE_GEMV_BF16_SWIGLU(1) TROUPE_GEMV_BF16_SWIGLU(2) TROUPE_GEMV_BF16_SWIGLU(3) TROUPE_GEMV_BF16_SWIGLU(4)
+    TROUPE_GEMV_BF16_SWIGLU(5) TROUPE_GEMV_BF16_SWIGLU(6) TROUPE_GEMV_BF16_SWIGLU(7) TROUPE_GEMV_BF16_SWIGLU(8)
+#undef TROUPE_GEMV_BF16_SWIGLU
+  }
+  check_launch("gemv_bf16_swiglu");
 }
 
 void gemv_quant(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch,

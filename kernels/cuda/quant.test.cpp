@@ -2,6 +2,7 @@
 // quants and scale bytes, finite scales), batches 1..8, row counts that do not fill the last
 // thread block.
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -111,6 +112,57 @@ TEST_CASE("gemv_bf16 matches bf16 weights times bf16 activations", "[cuda]") {
   dev_buf<bf16> w(size_t(64)), x(size_t(9 * 16)), y(size_t(9 * 4));
   CHECK_THROWS_AS(gemv_bf16(w.p, 4, 16, x.p, y.p, 9, nullptr), cuda_error);  // batch > 8
   CHECK_THROWS_AS(gemv_bf16(w.p, 4, 12, x.p, y.p, 1, nullptr), cuda_error);  // n_in % 8
+}
+
+TEST_CASE("gemv_bf16_swiglu equals gemv_bf16 then swiglu bit for bit", "[cuda]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 g(seed);
+  const bool pdl = GENERATE(false, true);  // plain launches, and the ones the forward makes
+  const pdl_scope scope(pdl);
+  // d_ff 1003: an odd count, the last CTA half idle; 1: one CTA; n_in 1032: the ragged tail.
+  const int64_t shapes[][2] = {{1003, 4096}, {1, 1032}, {64, 8}};
+  for (const auto& sh : shapes) {
+    const int64_t d_ff = sh[0], n_in = sh[1];
+    const auto w = round_bf16(random_floats(size_t(2 * d_ff * n_in), g));
+    dev_buf<bf16> d_w(to_bf16(w));
+    for (const int batch : {1, 2, 8}) {
+      const auto x = round_bf16(random_floats(size_t(batch * n_in), g));
+      dev_buf<bf16> d_x(to_bf16(x)), d_gu(size_t(batch * 2 * d_ff)), d_two(size_t(batch * d_ff)), d_one(size_t(batch * d_ff));
+      d_two.poison();
+      d_one.poison();
+      gemv_bf16(d_w.p, 2 * d_ff, n_in, d_x.p, d_gu.p, batch, nullptr);
+      swiglu(d_gu.p, d_two.p, batch, int(d_ff), nullptr);
+      gemv_bf16_swiglu(d_w.p, d_ff, n_in, d_x.p, d_one.p, batch, nullptr);
+      const std::vector<bf16> one = d_one.download(), two = d_two.download();
+      INFO("pdl " << pdl << " d_ff " << d_ff << " n_in " << n_in << " batch " << batch);
+      CHECK(std::memcmp(one.data(), two.data(), one.size() * sizeof(bf16)) == 0);
+      // With the L2 prefetch (more bytes than a row has, and fewer): the same bits, both kernels.
+      for (const int prefetch : {1 << 20, 200}) {
+        d_one.poison();
+        gemv_bf16_swiglu(d_w.p, d_ff, n_in, d_x.p, d_one.p, batch, nullptr, prefetch);
+        CHECK(std::memcmp(d_one.download().data(), one.data(), one.size() * sizeof(bf16)) == 0);
+        dev_buf<bf16> d_gu2(d_gu.n);
+        d_gu2.poison();
+        gemv_bf16(d_w.p, 2 * d_ff, n_in, d_x.p, d_gu2.p, batch, nullptr, prefetch);
+        CHECK(std::memcmp(d_gu2.download().data(), d_gu.download().data(), d_gu.bytes()) == 0);
+      }
+      // And against the host: silu(gate) * up from the fp32 reference products.
+      const std::vector<float> gu = reference_gemv(w, x, batch, 2 * d_ff, n_in);
+      std::vector<float> want(size_t(batch * d_ff));
+      for (int b = 0; b < batch; ++b)
+        for (int64_t j = 0; j < d_ff; ++j) {
+          const float gate = gu[size_t(b * 2 * d_ff + j)], up = gu[size_t(b * 2 * d_ff + d_ff + j)];
+          want[size_t(b * d_ff + j)] = gate / (1.0f + std::exp(-gate)) * up;
+        }
+      CHECK(normalized_error(from_bf16(one), want) <= 2e-2);
+    }
+  }
+  dev_buf<bf16> w(size_t(64)), x(size_t(9 * 16)), y(size_t(9 * 2));
+  CHECK_THROWS_AS(gemv_bf16_swiglu(w.p, 2, 16, x.p, y.p, 9, nullptr), cuda_error);  // batch > 8
+  CHECK_THROWS_AS(gemv_bf16_swiglu(w.p, 2, 12, x.p, y.p, 1, nullptr), cuda_error);  // n_in % 8
+  CHECK_THROWS_AS(gemv_bf16_swiglu(w.p, 2, 16, x.p, y.p, 1, nullptr, -1), cuda_error);
+  CHECK_THROWS_AS(gemv_bf16(w.p, 2, 16, x.p, y.p, 1, nullptr, -1), cuda_error);
 }
 
 TEST_CASE("gemv_bf16_streamed matches bf16 weights times bf16 activations, repeatably", "[cuda]") {

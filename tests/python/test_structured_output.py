@@ -37,6 +37,10 @@ PERSON = {
     "required": ["name", "age", "role", "scores"],
 }
 
+# A tree two levels deep through $ref: node -> leaf. A recursive tree ($ref back to node) is
+# covered by tests/json_schema.test.cpp (matcher and generation under its masks); served and
+# sampled, SmolLM2-135M nests it until max_tokens on every seed (8 of 8 at temperature 0 to 1 on
+# 2026-12-05), so whether two of four runs finished came down to the machine's float rounding.
 TREE = {
     "$ref": "#/$defs/node",
     "$defs": {
@@ -44,10 +48,16 @@ TREE = {
             "type": "object",
             "properties": {
                 "label": {"type": "string", "maxLength": 8},
-                "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+                "children": {"type": "array", "items": {"$ref": "#/$defs/leaf"}, "maxItems": 2},
             },
             "required": ["label", "children"],
-        }
+        },
+        "leaf": {
+            "type": "object",
+            "properties": {"label": {"type": "string", "maxLength": 8}},
+            "required": ["label"],
+            "additionalProperties": False,
+        },
     },
 }
 
@@ -73,9 +83,8 @@ def schema_format(schema, name="out"):
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
-# The tree nests as deep as the model likes (each node may hold two more), so more of its runs end
-# at max_tokens.
-@pytest.mark.parametrize("schema, seeds, max_tokens, at_least", [(PERSON, 6, 300, 4), (TREE, 4, 400, 2)],
+# Runs cut by max_tokens are prefixes, checked no further; most must finish.
+@pytest.mark.parametrize("schema, seeds, max_tokens, at_least", [(PERSON, 6, 300, 4), (TREE, 4, 300, 3)],
                          ids=["person", "tree"])
 def test_sampled_outputs_validate(client, schema, seeds, max_tokens, at_least):
     finished = 0
