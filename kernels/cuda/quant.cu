@@ -8,6 +8,8 @@
 // a warp takes units l, l+32, ..., so a warp reads each row as one coalesced stream. One warp
 // computes one output row for every batch row, accumulating in fp32.
 #include <cstdint>
+#include <string>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_util.cuh"
@@ -336,41 +338,51 @@ void check_args(quant_type t, const void* w, int64_t n, const char* name) {
     throw cuda_error(std::string(name) + ": length not a multiple of the block size, or misaligned weights");
 }
 
+// f(std::integral_constant<int, batch>{}) for batch in [1, max_batch].
+template <class F>
+void with_batch(int batch, F&& f) {
+  switch (batch) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+void check_bf16_args(const char* name, const bf16* w, int64_t n_in, const bf16* x, int batch, int prefetch_bytes) {
+  const std::string n = name;
+  if (batch < 1 || batch > max_batch) throw cuda_error(n + ": batch must be in [1, 8]");
+  if (prefetch_bytes < 0) throw cuda_error(n + ": prefetch_bytes must be >= 0");
+  if (n_in % 8 != 0) throw cuda_error(n + ": n_in must be a multiple of 8");
+  if (!aligned(w, 16) || !aligned(x, 16)) throw cuda_error(n + ": w and x must be 16-byte aligned");
+}
+
 }  // namespace
 
 void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream,
                int prefetch_bytes) {
-  if (batch < 1 || batch > max_batch) throw cuda_error("gemv_bf16: batch must be in [1, 8]");
-  if (prefetch_bytes < 0) throw cuda_error("gemv_bf16: prefetch_bytes must be >= 0");
-  if (n_in % 8 != 0) throw cuda_error("gemv_bf16: n_in must be a multiple of 8");
-  if (!aligned(w, 16) || !aligned(x, 16)) throw cuda_error("gemv_bf16: w and x must be 16-byte aligned");
+  check_bf16_args("gemv_bf16", w, n_in, x, batch, prefetch_bytes);
   if (n_out <= 0 || n_in <= 0) return;
   const auto blocks = unsigned((n_out + gemv_warps - 1) / gemv_warps);
-  switch (batch) {
-#define TROUPE_GEMV_BF16(B) \
-  case B: launch(gemv_bf16_kernel<B>, blocks, gemv_warps * 32, 0, stream, w, n_out, n_in, x, y, prefetch_bytes); break;
-    TROUPE_GEMV_BF16(1) TROUPE_GEMV_BF16(2) TROUPE_GEMV_BF16(3) TROUPE_GEMV_BF16(4)
-    TROUPE_GEMV_BF16(5) TROUPE_GEMV_BF16(6) TROUPE_GEMV_BF16(7) TROUPE_GEMV_BF16(8)
-#undef TROUPE_GEMV_BF16
-  }
+  with_batch(batch, [&](auto b) {
+    launch(gemv_bf16_kernel<decltype(b)::value>, blocks, gemv_warps * 32, 0, stream, w, n_out, n_in, x, y, prefetch_bytes);
+  });
   check_launch("gemv_bf16");
 }
 
 void gemv_bf16_swiglu(const bf16* w, int64_t d_ff, int64_t n_in, const bf16* x, bf16* act, int batch, cudaStream_t stream,
                       int prefetch_bytes) {
-  if (batch < 1 || batch > max_batch) throw cuda_error("gemv_bf16_swiglu: batch must be in [1, 8]");
-  if (prefetch_bytes < 0) throw cuda_error("gemv_bf16_swiglu: prefetch_bytes must be >= 0");
-  if (n_in % 8 != 0) throw cuda_error("gemv_bf16_swiglu: n_in must be a multiple of 8");
-  if (!aligned(w, 16) || !aligned(x, 16)) throw cuda_error("gemv_bf16_swiglu: w and x must be 16-byte aligned");
+  check_bf16_args("gemv_bf16_swiglu", w, n_in, x, batch, prefetch_bytes);
   if (d_ff <= 0 || n_in <= 0) return;
   const auto blocks = unsigned((d_ff + 1) / 2);
-  switch (batch) {
-#define TROUPE_GEMV_BF16_SWIGLU(B) \
-  case B: launch(gemv_bf16_swiglu_kernel<B>, blocks, gemv_warps * 32, 0, stream, w, d_ff, n_in, x, act, prefetch_bytes); break;
-    TROUPE_GEMV_BF16_SWIGLU(1) TROUPE_GEMV_BF16_SWIGLU(2) TROUPE_GEMV_BF16_SWIGLU(3) TROUPE_GEMV_BF16_SWIGLU(4)
-    TROUPE_GEMV_BF16_SWIGLU(5) TROUPE_GEMV_BF16_SWIGLU(6) TROUPE_GEMV_BF16_SWIGLU(7) TROUPE_GEMV_BF16_SWIGLU(8)
-#undef TROUPE_GEMV_BF16_SWIGLU
-  }
+  with_batch(batch, [&](auto b) {
+    launch(gemv_bf16_swiglu_kernel<decltype(b)::value>, blocks, gemv_warps * 32, 0, stream, w, d_ff, n_in, x, act,
+           prefetch_bytes);
+  });
   check_launch("gemv_bf16_swiglu");
 }
 
