@@ -279,81 +279,45 @@ void run(const args& a) {
   }
   line("decode_graphs", (double)f->n_graphs(), "captured");
   if (!f->graph_error().empty()) std::printf("# CUDA graphs off after a failed capture: %s\n", f->graph_error().c_str());
+  // Whole steps with other launch options than the defaults above (decode_bN); the streamed
+  // GEMV's pipeline is the default one until its search (last, below) picks one.
+  kc::gemv_stream_config best_stream;
+  auto options = [&](int gemv_rows, bool pdl, size_t gemv_max_bytes = 0, bool streamed = false) {
+    ec::launch_options l = o.launch;
+    l.bf16_gemv_rows = gemv_rows;
+    l.bf16_gemv_max_bytes = gemv_max_bytes;
+    l.bf16_gemv_streamed = streamed;
+    l.bf16_gemv_stream = best_stream;
+    l.pdl = pdl;
+    return l;
+  };
+  auto fused = [](ec::launch_options l) {
+    l.gemv_swiglu = l.attention_last_cta_merge = true;
+    return l;
+  };
+  auto run_variant = [&](int batch, const char* name, const ec::launch_options& l) {
+    f->set_launch_options(l);
+    const std::string b = "decode_b" + std::to_string(batch) + name;
+    const double t = decode_step_time(*f, batch, a);
+    line(b + "_step", t * 1e3, "ms");
+    line(b + "_tokens_per_s", batch / t, "tok/s");
+    line(b + "_time_over_roofline", t / roofline_of(batch), "x");
+  };
+  auto variant = [&](int batch, const char* name, int gemv_rows, bool pdl, size_t gemv_max_bytes = 0,
+                     bool streamed = false) { run_variant(batch, name, options(gemv_rows, pdl, gemv_max_bytes, streamed)); };
   {
     // The GEMVs alone: gemv_bf16 with plain launches, then programmatic ones; gemv_bf16_streamed
-    // (programmatic) over pipeline shapes (CTAs per SM, stages, KiB a copy: _sC_S_K), the best one
-    // kept for the whole-step variants after, all on the same model.
+    // (programmatic) over pipeline shapes (CTAs per SM, stages, KiB a copy: _sC_S_K).
     for (bool pdl : {false, true}) {
       const std::string tag = pdl ? "decode_b1_gemv_pdl_gemm" : "decode_b1_gemv_gemm";
       const double t_gemv = decode_gemm_time(decode_gemms, s, hp, 1, layer_gemm::gemv, pdl, tag);
       line(tag + "_only_step", t_gemv * 1e3, "ms");
       line(tag + "_only_over_roofline", t_gemv / roofline_of(1), "x");
     }
-    kc::gemv_stream_config best_stream;
-    double best_stream_t = 1e30;
-    for (const kc::gemv_stream_config c : {kc::gemv_stream_config{2, 4, 16384}, {1, 8, 16384}, {2, 6, 16384},
-                                           {3, 4, 16384}, {4, 3, 16384}, {2, 4, 32768}, {1, 6, 32768}, {2, 8, 8192}}) {
-      const std::string tag = "decode_b1_gemv_streamed_s" + std::to_string(c.ctas_per_sm) + "_" + std::to_string(c.stages) +
-                              "_" + std::to_string(c.chunk_bytes >> 10) + "_gemm";
-      try {
-        const double t = decode_gemm_time(decode_gemms, s, hp, 1, layer_gemm::gemv_streamed, true, tag, c);
-        line(tag + "_only_over_roofline", t / roofline_of(1), "x");
-        if (t < best_stream_t) best_stream_t = t, best_stream = c;
-      } catch (const kc::cuda_error& e) {
-        std::printf("# %s: %s\n", tag.c_str(), e.what());
-      }
-    }
-    std::printf("# best streamed GEMV pipeline: %d CTAs per SM, %d stages, %d KiB\n", best_stream.ctas_per_sm,
-                best_stream.stages, best_stream.chunk_bytes >> 10);
-    line("decode_b1_gemv_streamed_best_gemm_only_over_roofline", best_stream_t / roofline_of(1), "x");
-    // Whole steps with other launch options than the defaults above (decode_bN).
-    auto options = [&](int gemv_rows, bool pdl, size_t gemv_max_bytes = 0, bool streamed = false) {
-      ec::launch_options l = o.launch;
-      l.bf16_gemv_rows = gemv_rows;
-      l.bf16_gemv_max_bytes = gemv_max_bytes;
-      l.bf16_gemv_streamed = streamed;
-      l.bf16_gemv_stream = best_stream;
-      l.pdl = pdl;
-      return l;
-    };
-    auto fused = [](ec::launch_options l) {
-      l.gemv_swiglu = l.attention_last_cta_merge = true;
-      return l;
-    };
-    auto run_variant = [&](int batch, const char* name, const ec::launch_options& l) {
-      f->set_launch_options(l);
-      const std::string b = "decode_b" + std::to_string(batch) + name;
-      const double t = decode_step_time(*f, batch, a);
-      line(b + "_step", t * 1e3, "ms");
-      line(b + "_tokens_per_s", batch / t, "tok/s");
-      line(b + "_time_over_roofline", t / roofline_of(batch), "x");
-    };
-    auto variant = [&](int batch, const char* name, int gemv_rows, bool pdl, size_t gemv_max_bytes = 0,
-                       bool streamed = false) { run_variant(batch, name, options(gemv_rows, pdl, gemv_max_bytes, streamed)); };
-    // SwiGLU in the gate|up GEMV and the last-CTA attention merge (the streamed GEMV: the merge only).
-    run_variant(1, "_fused", fused(options(1, true)));
-    run_variant(1, "_merge_only", [&] {
-      ec::launch_options l = options(1, true);
-      l.attention_last_cta_merge = true;
-      return l;
-    }());
-    run_variant(1, "_streamed_fused", fused(options(1, true, 0, true)));
-    run_variant(64, "_fused", fused(options(o.launch.bf16_gemv_rows, true)));
-    // L2 prefetch of each GEMV row's first KiB before the programmatic wait.
-    for (const int kib : {1, 2, 4, 8}) {
-      ec::launch_options l = options(1, true);
-      l.bf16_gemv_prefetch_bytes = kib << 10;
-      run_variant(1, ("_prefetch_" + std::to_string(kib) + "k").c_str(), l);
-      l = fused(l);
-      run_variant(1, ("_fused_prefetch_" + std::to_string(kib) + "k").c_str(), l);
-    }
     variant(1, "_cublas", 0, true);
     variant(1, "_cublas_nopdl", 0, false);
     variant(1, "_gemv_nopdl", 1, false);
     variant(1, "_split", 1, true, size_t{64} << 20);
-    variant(1, "_streamed", 1, true, 0, true);
-    variant(2, "_streamed", 2, true, 0, true);
-    variant(1, "_streamed_split", 1, true, size_t{64} << 20, true);
     for (int batch : {2, 4, 8}) {
       variant(batch, "", o.launch.bf16_gemv_rows, o.launch.pdl, o.launch.bf16_gemv_max_bytes, o.launch.bf16_gemv_streamed);
       variant(batch, "_gemv", batch, true);
@@ -398,6 +362,48 @@ void run(const args& a) {
     line("prefill_2048_tflops", flops / best / 1e12, "TFLOP/s");
     line("prefill_2048_fraction_of_gemm_8192", flops / best / gemm_8192, "x");
     line("prefill_2048_fraction_of_gemm_prefill_shapes", flops / best / (prefill_gemm_flops / prefill_gemm_time), "x");
+  }
+  {
+    // First runs on a device (written without one): the fused launches, the L2 prefetch, then the
+    // streamed GEMV (the pipeline search, the best one in whole steps). Last, so that a fault in
+    // them costs none of the figures above.
+    // SwiGLU in the gate|up GEMV and the last-CTA attention merge.
+    run_variant(1, "_fused", fused(options(1, true)));
+    run_variant(1, "_merge_only", [&] {
+      ec::launch_options l = options(1, true);
+      l.attention_last_cta_merge = true;
+      return l;
+    }());
+    run_variant(64, "_fused", fused(options(o.launch.bf16_gemv_rows, true)));
+    // L2 prefetch of each GEMV row's first KiB before the programmatic wait.
+    for (const int kib : {1, 2, 4, 8}) {
+      ec::launch_options l = options(1, true);
+      l.bf16_gemv_prefetch_bytes = kib << 10;
+      run_variant(1, ("_prefetch_" + std::to_string(kib) + "k").c_str(), l);
+      l = fused(l);
+      run_variant(1, ("_fused_prefetch_" + std::to_string(kib) + "k").c_str(), l);
+    }
+    double best_stream_t = 1e30;
+    for (const kc::gemv_stream_config c : {kc::gemv_stream_config{2, 4, 16384}, {1, 8, 16384}, {2, 6, 16384},
+                                           {3, 4, 16384}, {4, 3, 16384}, {2, 4, 32768}, {1, 6, 32768}, {2, 8, 8192}}) {
+      const std::string tag = "decode_b1_gemv_streamed_s" + std::to_string(c.ctas_per_sm) + "_" + std::to_string(c.stages) +
+                              "_" + std::to_string(c.chunk_bytes >> 10) + "_gemm";
+      try {
+        const double t = decode_gemm_time(decode_gemms, s, hp, 1, layer_gemm::gemv_streamed, true, tag, c);
+        line(tag + "_only_over_roofline", t / roofline_of(1), "x");
+        if (t < best_stream_t) best_stream_t = t, best_stream = c;
+      } catch (const kc::cuda_error& e) {
+        std::printf("# %s: %s\n", tag.c_str(), e.what());
+      }
+    }
+    std::printf("# best streamed GEMV pipeline: %d CTAs per SM, %d stages, %d KiB\n", best_stream.ctas_per_sm,
+                best_stream.stages, best_stream.chunk_bytes >> 10);
+    line("decode_b1_gemv_streamed_best_gemm_only_over_roofline", best_stream_t / roofline_of(1), "x");
+    variant(1, "_streamed", 1, true, 0, true);
+    variant(2, "_streamed", 2, true, 0, true);
+    variant(1, "_streamed_split", 1, true, size_t{64} << 20, true);
+    run_variant(1, "_streamed_fused", fused(options(1, true, 0, true)));  // the merge only: no SwiGLU GEMV streamed
+    f->set_launch_options(o.launch);
   }
 }
 
