@@ -369,11 +369,9 @@ void run(const args& a) {
     // them costs none of the figures above.
     // SwiGLU in the gate|up GEMV and the last-CTA attention merge.
     run_variant(1, "_fused", fused(options(1, true)));
-    run_variant(1, "_merge_only", [&] {
-      ec::launch_options l = options(1, true);
-      l.attention_last_cta_merge = true;
-      return l;
-    }());
+    ec::launch_options merge_only = options(1, true);
+    merge_only.attention_last_cta_merge = true;
+    run_variant(1, "_merge_only", merge_only);
     run_variant(64, "_fused", fused(options(o.launch.bf16_gemv_rows, true)));
     // L2 prefetch of each GEMV row's first KiB before the programmatic wait.
     for (const int kib : {1, 2, 4, 8}) {

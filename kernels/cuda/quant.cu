@@ -269,11 +269,12 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_swiglu_kernel(const
   pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t j = int64_t(blockIdx.x) * 2 + (warp & 1);
-  if (j < d_ff && prefetch_bytes > 0) gemv_prefetch_row(w + ((warp >> 1) * d_ff + j) * n_in, n_in, prefetch_bytes);
+  const bf16* row = w + ((warp >> 1) * d_ff + j) * n_in;  // gate row j (warps 0, 1) or up row j (2, 3)
+  if (j < d_ff && prefetch_bytes > 0) gemv_prefetch_row(row, n_in, prefetch_bytes);
   pdl_wait();
   if (j < d_ff) {  // the last CTA of an odd d_ff has one column: its other warps only synchronize
     float acc[B];
-    gemv_bf16_row<B>(w + ((warp >> 1) * d_ff + j) * n_in, n_in, x, acc);
+    gemv_bf16_row<B>(row, n_in, x, acc);
 #pragma unroll
     for (int b = 0; b < B; ++b)
       if (lane == b) sums[warp][b] = acc[b];
@@ -308,36 +309,6 @@ __global__ void dequant_kernel(const uint8_t* __restrict__ w, int64_t n_units, b
   }
 }
 
-template <quant_type T, int B>
-void launch_gemv(const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, cudaStream_t stream) {
-  const auto blocks = unsigned((n_out + gemv_warps - 1) / gemv_warps);
-  gemv_kernel<T, B><<<blocks, gemv_warps * 32, 0, stream>>>(static_cast<const uint8_t*>(w), n_out, n_in, x, y);
-}
-
-template <quant_type T>
-void gemv_typed(const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream) {
-  switch (batch) {
-    case 1: return launch_gemv<T, 1>(w, n_out, n_in, x, y, stream);
-    case 2: return launch_gemv<T, 2>(w, n_out, n_in, x, y, stream);
-    case 3: return launch_gemv<T, 3>(w, n_out, n_in, x, y, stream);
-    case 4: return launch_gemv<T, 4>(w, n_out, n_in, x, y, stream);
-    case 5: return launch_gemv<T, 5>(w, n_out, n_in, x, y, stream);
-    case 6: return launch_gemv<T, 6>(w, n_out, n_in, x, y, stream);
-    case 7: return launch_gemv<T, 7>(w, n_out, n_in, x, y, stream);
-    case 8: return launch_gemv<T, 8>(w, n_out, n_in, x, y, stream);
-  }
-}
-
-int block_values(quant_type t) { return t == quant_type::q4_k ? 256 : 32; }
-
-bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
-void check_args(quant_type t, const void* w, int64_t n, const char* name) {
-  // q4_k reads 32-bit words of 144-byte blocks; the 32-value types read 16-bit words.
-  if (n % block_values(t) != 0 || !aligned(w, t == quant_type::q4_k ? 4 : 2))
-    throw cuda_error(std::string(name) + ": length not a multiple of the block size, or misaligned weights");
-}
-
 // f(std::integral_constant<int, batch>{}) for batch in [1, max_batch].
 template <class F>
 void with_batch(int batch, F&& f) {
@@ -351,6 +322,24 @@ void with_batch(int batch, F&& f) {
     case 7: return f(std::integral_constant<int, 7>{});
     case 8: return f(std::integral_constant<int, 8>{});
   }
+}
+
+template <quant_type T>
+void gemv_typed(const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream) {
+  const auto blocks = unsigned((n_out + gemv_warps - 1) / gemv_warps);
+  with_batch(batch, [&](auto b) {
+    gemv_kernel<T, decltype(b)::value><<<blocks, gemv_warps * 32, 0, stream>>>(static_cast<const uint8_t*>(w), n_out, n_in, x, y);
+  });
+}
+
+int block_values(quant_type t) { return t == quant_type::q4_k ? 256 : 32; }
+
+bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+void check_args(quant_type t, const void* w, int64_t n, const char* name) {
+  // q4_k reads 32-bit words of 144-byte blocks; the 32-value types read 16-bit words.
+  if (n % block_values(t) != 0 || !aligned(w, t == quant_type::q4_k ? 4 : 2))
+    throw cuda_error(std::string(name) + ": length not a multiple of the block size, or misaligned weights");
 }
 
 void check_bf16_args(const char* name, const bf16* w, int64_t n_in, const bf16* x, int batch, int prefetch_bytes) {
