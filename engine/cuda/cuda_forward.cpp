@@ -136,6 +136,7 @@ void cuda_forward::setup() {
                                 "attention split scratch");
   attn_counters_ = device_buffer(splits > 1 ? kc::attention_counters(cap_split_rows_, hp.n_heads) * sizeof(unsigned) : 0,
                                  "attention split counters");
+  norm_sumsq_ = device_buffer((size_t)gemv_max_batch * kc::norm_fold_parts(d) * sizeof(float), "RMSNorm partial sums");
   sample_scratch_ = device_buffer(kc::sample_scratch_bytes(cap_logits_, hp.n_vocab), "sampling scratch");
   tokens_dev_ = device_buffer((size_t)cap_logits_ * sizeof(int32_t), "sampled tokens");
   tokens_host_ = pinned_buffer((size_t)cap_logits_ * sizeof(int32_t), "sampled tokens");
@@ -169,7 +170,7 @@ void cuda_forward::setup() {
 size_t cuda_forward::device_bytes() const {
   size_t n = weights_.device_bytes() + kv_.bytes() + stage_dev_.bytes() + gemm_runner::workspace_bytes;
   for (const device_buffer* b : {&x_, &h_, &qkv_, &q_, &attn_, &y_, &gu_, &act_, &out_rows_, &logits_dev_, &attn_scratch_,
-                                 &attn_counters_, &sample_scratch_, &tokens_dev_, &expand_})
+                                 &attn_counters_, &norm_sumsq_, &sample_scratch_, &tokens_dev_, &expand_})
     n += b->bytes();
   return n;
 }
@@ -374,6 +375,20 @@ bool cuda_forward::streamed_gemv(const dev_matrix& w, int rows) const {
   return opt_.launch.bf16_gemv_streamed && rows <= 2 && w.n_in % 256 == 0 && bf16_gemv(w, rows);
 }
 
+bool cuda_forward::plain_gemv(const dev_matrix& w, int rows) const {
+  return !(w.raw && rows <= gemv_max_batch) && bf16_gemv(w, rows) && !streamed_gemv(w, rows);
+}
+
+bool cuda_forward::fold_norm(int rows) const {
+  if (!opt_.launch.gemv_fold_norm) return false;
+  for (int il = 0; il < hparams().n_layers; ++il) {
+    const dev_layer& L = weights_.layer(il);
+    for (const dev_matrix* w : {&L.qkv, &L.o, &L.gate_up, &L.down})
+      if (!plain_gemv(*w, rows)) return false;
+  }
+  return true;
+}
+
 void cuda_forward::linear(const dev_matrix& w, const bf16* x, bf16* y, int rows, cudaStream_t s) {
   if (w.raw && rows <= gemv_max_batch) {
     kc::gemv_quant(w.qt, w.raw, w.n_out, w.n_in, x, y, rows, s);
@@ -429,25 +444,65 @@ void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
 
   float* x = x_.as<float>();
   bf16 *h = h_.as<bf16>(), *y = y_.as<bf16>();
+  // With the norm folded in, the o and down GEMVs write the residual stream and leave in h the
+  // next norm's input (before its scale) and in norm_sumsq_ its partial sums of squares; qkv and
+  // gate|up read them. The first layer's norm (after the embedding) and the last stay kernels.
+  const bool fold = fold_norm(n);
+  kc::gemv_norm reader, writer;
+  reader.sumsq_in = norm_sumsq_.as<float>();
+  reader.eps = hp.norm_eps;
+  writer.residual = x;
+  writer.sumsq_out = norm_sumsq_.as<float>();
+  const int prefetch = opt_.launch.bf16_gemv_prefetch_bytes;
+  kc::qkv_rope_args rope;  // for the qkv GEMV applying RoPE (launch_options::gemv_rope)
+  rope.rope = rp;
+  rope.st = st;
+  rope.kv = kv;
+  rope.q_out = q_.as<bf16>();
   kc::embed_rows(weights_.token_embd(), at(off_.tokens), x, n, d, s);  // after the layout copy: a plain launch
   const kc::pdl_scope pdl(opt_.launch.pdl);
   for (int il = 0; il < hp.n_layers; ++il) {
     const dev_layer& L = weights_.layer(il);
-    kc::add_rmsnorm(x, il == 0 ? nullptr : y, L.attn_norm, h, n, d, hp.norm_eps, s);
-    linear(L.qkv, h, qkv_.as<bf16>(), n, s);
-    kc::rope_qkv_store(qkv_.as<bf16>(), L.bq, L.bk, L.bv, rp, st, kv, il, q_.as<bf16>(), s);
-    kc::paged_attention(q_.as<bf16>(), st, kv, il, hp.n_heads, scale, attn_.as<bf16>(), sc, s);
-    linear(L.o, attn_.as<bf16>(), y, n, s);
-    kc::add_rmsnorm(x, y, L.ffn_norm, h, n, d, hp.norm_eps, s);
-    if (opt_.launch.gemv_swiglu && !L.gate_up.raw && bf16_gemv(L.gate_up, n) && !streamed_gemv(L.gate_up, n)) {
-      kc::gemv_bf16_swiglu(L.gate_up.w, hp.d_ff, d, h, act_.as<bf16>(), n, s, opt_.launch.bf16_gemv_prefetch_bytes);
+    const bool read_norm = fold && il > 0;
+    const kc::gemv_norm qkv_norm = read_norm ? reader : kc::gemv_norm{};
+    if (!read_norm) kc::add_rmsnorm(x, il == 0 ? nullptr : y, L.attn_norm, h, n, d, hp.norm_eps, s);
+    if (opt_.launch.gemv_rope && plain_gemv(L.qkv, n)) {
+      rope.bq = L.bq, rope.bk = L.bk, rope.bv = L.bv, rope.layer = il;
+      kc::gemv_bf16_rope_qkv(L.qkv.w, L.qkv.n_in, h, rope, s, prefetch, qkv_norm);
     } else {
-      linear(L.gate_up, h, gu_.as<bf16>(), n, s);
+      if (read_norm)
+        kc::gemv_bf16(L.qkv.w, L.qkv.n_out, L.qkv.n_in, h, qkv_.as<bf16>(), n, s, prefetch, qkv_norm);
+      else
+        linear(L.qkv, h, qkv_.as<bf16>(), n, s);
+      kc::rope_qkv_store(qkv_.as<bf16>(), L.bq, L.bk, L.bv, rp, st, kv, il, q_.as<bf16>(), s);
+    }
+    kc::paged_attention(q_.as<bf16>(), st, kv, il, hp.n_heads, scale, attn_.as<bf16>(), sc, s);
+    if (fold) {
+      writer.norm_w = L.ffn_norm;
+      kc::gemv_bf16(L.o.w, d, L.o.n_in, attn_.as<bf16>(), h, n, s, prefetch, writer);
+    } else {
+      linear(L.o, attn_.as<bf16>(), y, n, s);
+      kc::add_rmsnorm(x, y, L.ffn_norm, h, n, d, hp.norm_eps, s);
+    }
+    const kc::gemv_norm gu_norm = fold ? reader : kc::gemv_norm{};
+    if (opt_.launch.gemv_swiglu && plain_gemv(L.gate_up, n)) {
+      kc::gemv_bf16_swiglu(L.gate_up.w, hp.d_ff, d, h, act_.as<bf16>(), n, s, prefetch, gu_norm);
+    } else {
+      if (fold)
+        kc::gemv_bf16(L.gate_up.w, L.gate_up.n_out, L.gate_up.n_in, h, gu_.as<bf16>(), n, s, prefetch, gu_norm);
+      else
+        linear(L.gate_up, h, gu_.as<bf16>(), n, s);
       kc::swiglu(gu_.as<bf16>(), act_.as<bf16>(), n, hp.d_ff, s);
     }
-    linear(L.down, act_.as<bf16>(), y, n, s);
+    if (fold) {
+      writer.norm_w = il + 1 < hp.n_layers ? weights_.layer(il + 1).attn_norm : weights_.output_norm();
+      kc::gemv_bf16(L.down.w, d, L.down.n_in, act_.as<bf16>(), h, n, s, prefetch, writer);
+    } else {
+      linear(L.down, act_.as<bf16>(), y, n, s);
+    }
   }
-  kc::add_rmsnorm(x, y, weights_.output_norm(), h, n, d, hp.norm_eps, s);
+  // Folded: the residual is complete, h holds it times the output norm's weights but unscaled.
+  kc::add_rmsnorm(x, fold ? nullptr : y, weights_.output_norm(), h, n, d, hp.norm_eps, s);
 }
 
 // Logits of output rows [first, first + count) into logits_dev_ rows [0, count).

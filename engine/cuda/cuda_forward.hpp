@@ -80,6 +80,18 @@ struct launch_options {
   /// before waiting for the kernel ahead (programmatic launch), so HBM streams weights while the
   /// small kernels between GEMVs run. 0: off until a device measures it (decode_b1_prefetch_*).
   int bf16_gemv_prefetch_bytes = 0;
+  /// In such steps the residual add and RMSNorm between the layers' GEMVs ride on them
+  /// (kernels::cuda::gemv_norm): the o and down GEMVs add into the residual stream and leave the
+  /// normalized input with its sum of squares, the qkv and gate|up GEMVs scale their products by
+  /// the norm. 64 add_rmsnorm launches fewer a Llama-3-8B step; values within bf16 rounding of
+  /// the unfused step (not the same bits). Only where all four matrices of every layer go through
+  /// gemv_bf16. Off until a device measures it (troupe_gpu_bench's decode_b1_fold_*).
+  bool gemv_fold_norm = false;
+  /// The qkv GEMV of such steps applies the biases, RoPE and the KV-cache write to its own
+  /// outputs (kernels::cuda::gemv_bf16_rope_qkv: the same bits, one launch and the qkv round trip
+  /// fewer per layer). Not with the streamed GEMV. Off until a device measures it
+  /// (decode_b1_rope_*, decode_b1_all_*).
+  bool gemv_rope = false;
 };
 
 struct cuda_options {
@@ -170,6 +182,9 @@ class cuda_forward {
   size_t n_graphs() const { return graphs_.size(); }
   /// Why decode steps stopped using CUDA graphs (a capture failed), or empty.
   const std::string& graph_error() const { return graph_error_; }
+  /// Whether steps of `rows` token rows fold RMSNorm into the GEMVs: launch_options::gemv_fold_norm
+  /// and every layer's qkv, o, gate|up and down matrices through gemv_bf16.
+  bool fold_norm(int rows) const;
 
  private:
   struct synthetic_tag {};
@@ -186,6 +201,8 @@ class cuda_forward {
   /// gemv_bf16_streamed) rather than cuBLASLt; quantized matrices kept raw take gemv_quant first.
   bool bf16_gemv(const dev_matrix& w, int rows) const;
   bool streamed_gemv(const dev_matrix& w, int rows) const;
+  /// Whether linear() takes gemv_bf16 itself for w: the fused GEMVs (SwiGLU, RoPE, norm) replace it there.
+  bool plain_gemv(const dev_matrix& w, int rows) const;
   void drop_graphs();
   void output_rows(const plan& p, int first, int count, cudaStream_t s);
   cudaGraphExec_t capture(const plan& p, cudaStream_t s);
@@ -217,7 +234,7 @@ class cuda_forward {
   device_buffer stage_dev_;
 
   // Activations and outputs.
-  device_buffer x_, h_, qkv_, q_, attn_, y_, gu_, act_, out_rows_, logits_dev_, attn_scratch_, attn_counters_, sample_scratch_, tokens_dev_,
+  device_buffer x_, h_, qkv_, q_, attn_, y_, gu_, act_, out_rows_, logits_dev_, attn_scratch_, attn_counters_, norm_sumsq_, sample_scratch_, tokens_dev_,
       expand_;
   pinned_buffer tokens_host_;
   std::vector<float> logits_;

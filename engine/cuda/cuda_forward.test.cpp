@@ -92,6 +92,7 @@ struct pair_of_forwards {
 void compare_with_cpu(const model& m, const ec::cuda_options& o, double tol) {
   const int n_vocab = m.hparams().n_vocab;
   pair_of_forwards f(m, o);
+  if (o.launch.gemv_fold_norm) CHECK(f.gpu.fold_norm(2));  // the decode steps below take the folded path
   std::vector<token_id> a = prompt(m, "Paged attention keeps every sequence in its own blocks, and the GPU", 40);
   std::vector<token_id> b = prompt(m, "def fibonacci(n):\n    if n < 2:", 23);
   const std::vector<int32_t> ta = {37, 5, 22, 50}, tb = {12, 40, 3, 61};
@@ -132,11 +133,28 @@ TEST_CASE("CUDA forward: default model logits match the CPU over a prefill and 8
   compare_with_cpu(*m, small_options(64), 5e-2);
 }
 
+TEST_CASE("CUDA forward: RMSNorm folded into the GEMVs (with the fused launches): default model logits match the CPU", "[cuda]") {
+  const auto m = load_model("models/default.gguf");
+  if (!m) return;
+  ec::cuda_options o = small_options(64);
+  o.weights.mode = ec::weights_mode::bf16;  // every layer GEMV of the 2-row decode steps is gemv_bf16
+  o.launch.bf16_gemv_rows = 8;
+  o.launch.gemv_fold_norm = true;
+  SECTION("fold alone") { compare_with_cpu(*m, o, 5e-2); }
+  SECTION("fold, SwiGLU and RoPE GEMVs, last-CTA merge, prefetch") {
+    o.launch.gemv_swiglu = o.launch.attention_last_cta_merge = o.launch.gemv_rope = true;
+    o.launch.bf16_gemv_prefetch_bytes = 2048;
+    compare_with_cpu(*m, o, 5e-2);
+  }
+}
+
 TEST_CASE("CUDA forward: generated models (quantized GEMV decode, qwen2 biases and neox rope, f32)", "[cuda]") {
   for (const char* name : {"llama_q4_k", "qwen2_q6_k_gqa4", "llama_f32_hd64", "llama_q4_k_bf16", "llama_q4_k_bf16_gemv",
-                           "llama_q4_k_bf16_gemv_split", "llama_q4_k_bf16_gemv_streamed", "llama_q4_k_bf16_gemv_fused"}) {
-    const bool bf16_mode = std::string(name).starts_with("llama_q4_k_bf16");
-    const auto m = load_model(std::string("tests/fixtures/generated/") + (bf16_mode ? "llama_q4_k" : name) + ".gguf");
+                           "llama_q4_k_bf16_gemv_split", "llama_q4_k_bf16_gemv_streamed", "llama_q4_k_bf16_gemv_fused",
+                           "llama_q4_k_bf16_gemv_fold", "llama_q4_k_bf16_gemv_fold_fused", "qwen2_q6_k_gqa4_bf16_gemv_fold_fused"}) {
+    const std::string file = std::string(name).substr(0, std::string(name).find("_bf16"));  // "_bf16...": variants
+    const bool bf16_mode = file != name;
+    const auto m = load_model("tests/fixtures/generated/" + file + ".gguf");
     if (!m) continue;
     SECTION(name) {
       ec::cuda_options o = small_options(64);
@@ -145,7 +163,8 @@ TEST_CASE("CUDA forward: generated models (quantized GEMV decode, qwen2 biases a
       if (std::string(name).ends_with("_split"))  // ... for the matrices up to O's size, cuBLASLt for the larger ones
         o.launch.bf16_gemv_max_bytes = (size_t)m->hparams().d_model * m->hparams().n_heads * m->hparams().head_dim * 2;
       o.launch.bf16_gemv_streamed = std::string(name).ends_with("_streamed");  // 2-row decode steps, rows of 256k
-      o.launch.gemv_swiglu = o.launch.attention_last_cta_merge = std::string(name).ends_with("_fused");
+      o.launch.gemv_swiglu = o.launch.attention_last_cta_merge = o.launch.gemv_rope = std::string(name).ends_with("_fused");
+      o.launch.gemv_fold_norm = std::string(name).find("_fold") != std::string::npos;  // RMSNorm in the GEMVs
       compare_with_cpu(*m, o, 5e-2);
     }
   }
@@ -262,15 +281,17 @@ TEST_CASE("CUDA forward: decode steps replayed from CUDA graphs equal eager runs
   CHECK(eager.n_graphs() == 0);
 }
 
-TEST_CASE("CUDA forward: fused launches (GEMV with SwiGLU, last-CTA attention merge, prefetch) equal the unfused bit for bit", "[cuda]") {
+TEST_CASE("CUDA forward: fused launches (GEMVs with SwiGLU and with RoPE, last-CTA attention merge, prefetch) equal the unfused bit for bit", "[cuda]") {
   const auto m = load_model("models/default.gguf");
   if (!m) return;
   const int n_vocab = m->hparams().n_vocab;
   ec::cuda_options o = small_options(64);
-  o.launch.bf16_gemv_rows = 8;  // decode steps of up to 8 rows through gemv_bf16
+  o.weights.mode = ec::weights_mode::bf16;  // no raw q4_1 matrices: every layer GEMV is gemv_bf16
+  o.launch.bf16_gemv_rows = 8;              // decode steps of up to 8 rows through gemv_bf16
   ec::cuda_options fused_o = o;
   fused_o.launch.gemv_swiglu = true;
   fused_o.launch.attention_last_cta_merge = true;
+  fused_o.launch.gemv_rope = true;
   fused_o.launch.bf16_gemv_prefetch_bytes = 2048;  // L2 prefetch changes no value either
   ec::cuda_forward plain(*m, o), fused(*m, fused_o);
 

@@ -1,12 +1,12 @@
 // troupe_gpu_bench: device figures for docs/perf.md, one line each, "name value unit".
 //
 //   troupe_gpu_bench [--arch llama-3-8b] [--context 512] [--steps 20] [--device 0] [--decode-only B]
-//                    [--streamed 0|1] [--fused 0|1] [--prefetch BYTES]
+//                    [--streamed 0|1] [--fused 0|1] [--fold 0|1] [--prefetch BYTES]
 //
 // --decode-only B: only the model and its decode steps at batch B (one line), for a profiler
 // (scripts/gpu-profile); --streamed 1 makes those steps use gemv_bf16_streamed (default pipeline),
-// --fused 1 the fused launches (launch_options::gemv_swiglu, attention_last_cta_merge), --prefetch
-// launch_options::bf16_gemv_prefetch_bytes.
+// --fused 1 the fused launches (launch_options::gemv_swiglu, gemv_rope, attention_last_cta_merge), --fold 1
+// RMSNorm in the GEMVs (gemv_fold_norm), --prefetch launch_options::bf16_gemv_prefetch_bytes.
 //
 // - d2d_copy_bandwidth: cudaMemcpy of 2 GiB device to device, best of 5, counting bytes read
 //   plus bytes written (2 x 2 GiB per copy): the rate HBM sustains for a pure stream.
@@ -24,8 +24,9 @@
 //   launch_options::bf16_gemv_rows covering the batch (gemv_bf16 for the layers' weights),
 //   decode_b1_cublas_* with cuBLASLt, decode_b1_split_* with gemv_bf16 for the qkv and o
 //   matrices only (bf16_gemv_max_bytes 64 MiB), decode_b{1,2}_streamed_* through
-//   gemv_bf16_streamed, *_nopdl_* with launch_options::pdl off, *_fused_* with gemv_swiglu and
-//   attention_last_cta_merge on (decode_b1_merge_only_*: the merge alone), *_prefetch_Nk_* with
+//   gemv_bf16_streamed, *_nopdl_* with launch_options::pdl off, *_fused_* with gemv_swiglu,
+//   gemv_rope and attention_last_cta_merge on (decode_b1_merge_only_*, decode_b1_rope_only_*: one
+//   of them alone), *_fold_* with gemv_fold_norm on, *_prefetch_Nk_* with
 //   launch_options::bf16_gemv_prefetch_bytes N KiB;
 //   decode_b1_gemv[_pdl]_gemm_*: the GEMVs alone as the GEMMs above, launched plainly or with
 //   programmatic dependent launch.
@@ -145,7 +146,8 @@ struct args {
   int device = 0;
   int decode_only = 0;  // > 0: only decode steps at this batch (for a profiler), no other figures
   bool streamed = false;  // --decode-only steps through gemv_bf16_streamed
-  bool fused = false;     // ... with launch_options::gemv_swiglu and attention_last_cta_merge
+  bool fused = false;     // ... with launch_options::gemv_swiglu, gemv_rope and attention_last_cta_merge
+  bool fold = false;      // ... with launch_options::gemv_fold_norm
   int prefetch = 0;       // ... and bf16_gemv_prefetch_bytes
 };
 
@@ -162,8 +164,9 @@ args parse(int argc, char** argv) {
     else if (k == "--decode-only") a.decode_only = std::stoi(v);
     else if (k == "--streamed") a.streamed = std::stoi(v) != 0;
     else if (k == "--fused") a.fused = std::stoi(v) != 0;
+    else if (k == "--fold") a.fold = std::stoi(v) != 0;
     else if (k == "--prefetch") a.prefetch = std::stoi(v);
-    else throw std::invalid_argument("unknown option " + k + " (--arch, --context, --steps, --device, --decode-only, --streamed, --fused, --prefetch)");
+    else throw std::invalid_argument("unknown option " + k + " (--arch, --context, --steps, --device, --decode-only, --streamed, --fused, --fold, --prefetch)");
   }
   if (a.context < a.steps + 4 || a.steps < 1) throw std::invalid_argument("--context must exceed --steps + 3, --steps >= 1");
   return a;
@@ -216,9 +219,11 @@ void run(const args& a) {
     o.max_context = a.context;
     o.n_blocks = a.decode_only * kv_blocks_for(a.context, o.block_size);
     o.launch.bf16_gemv_streamed = a.streamed;
-    o.launch.gemv_swiglu = o.launch.attention_last_cta_merge = a.fused;
+    o.launch.gemv_swiglu = o.launch.attention_last_cta_merge = o.launch.gemv_rope = a.fused;
+    o.launch.gemv_fold_norm = a.fold;
     o.launch.bf16_gemv_prefetch_bytes = a.prefetch;
     auto f = ec::cuda_forward::synthetic(a.arch, o);
+    if (a.fold && !f->fold_norm(a.decode_only)) std::printf("# --fold 1: these steps do not fold RMSNorm (not all GEMVs are gemv_bf16)\n");
     line("decode_b" + std::to_string(a.decode_only) + "_step", decode_step_time(*f, a.decode_only, a) * 1e3, "ms");
     return;
   }
@@ -292,7 +297,11 @@ void run(const args& a) {
     return l;
   };
   auto fused = [](ec::launch_options l) {
-    l.gemv_swiglu = l.attention_last_cta_merge = true;
+    l.gemv_swiglu = l.attention_last_cta_merge = l.gemv_rope = true;
+    return l;
+  };
+  auto folded = [](ec::launch_options l) {
+    l.gemv_fold_norm = true;
     return l;
   };
   auto run_variant = [&](int batch, const char* name, const ec::launch_options& l) {
@@ -364,15 +373,24 @@ void run(const args& a) {
     line("prefill_2048_fraction_of_gemm_prefill_shapes", flops / best / (prefill_gemm_flops / prefill_gemm_time), "x");
   }
   {
-    // First runs on a device (written without one): the fused launches, the L2 prefetch, then the
-    // streamed GEMV (the pipeline search, the best one in whole steps). Last, so that a fault in
-    // them costs none of the figures above.
-    // SwiGLU in the gate|up GEMV and the last-CTA attention merge.
+    // First runs on a device (written without one): the fused launches, the folded RMSNorm, the
+    // L2 prefetch, then the streamed GEMV (the pipeline search, the best one in whole steps).
+    // Last, so that a fault in them costs none of the figures above.
+    // SwiGLU in the gate|up GEMV, RoPE in the qkv GEMV and the last-CTA attention merge.
     run_variant(1, "_fused", fused(options(1, true)));
     ec::launch_options merge_only = options(1, true);
     merge_only.attention_last_cta_merge = true;
     run_variant(1, "_merge_only", merge_only);
+    ec::launch_options rope_only = options(1, true);
+    rope_only.gemv_rope = true;
+    run_variant(1, "_rope_only", rope_only);
     run_variant(64, "_fused", fused(options(o.launch.bf16_gemv_rows, true)));
+    // RMSNorm and the residual add in the GEMVs, alone and with the fused launches.
+    f->set_launch_options(folded(options(1, true)));
+    line("decode_b1_fold_applies", f->fold_norm(1) ? 1.0 : 0.0, "bool");
+    run_variant(1, "_fold", folded(options(1, true)));
+    run_variant(1, "_fold_fused", folded(fused(options(1, true))));
+    run_variant(2, "_fold_fused", folded(fused(options(2, true))));
     // L2 prefetch of each GEMV row's first KiB before the programmatic wait.
     for (const int kib : {1, 2, 4, 8}) {
       ec::launch_options l = options(1, true);
@@ -380,6 +398,7 @@ void run(const args& a) {
       run_variant(1, ("_prefetch_" + std::to_string(kib) + "k").c_str(), l);
       l = fused(l);
       run_variant(1, ("_fused_prefetch_" + std::to_string(kib) + "k").c_str(), l);
+      run_variant(1, ("_fold_fused_prefetch_" + std::to_string(kib) + "k").c_str(), folded(l));
     }
     double best_stream_t = 1e30;
     for (const kc::gemv_stream_config c : {kc::gemv_stream_config{2, 4, 16384}, {1, 8, 16384}, {2, 6, 16384},
@@ -400,7 +419,7 @@ void run(const args& a) {
     variant(1, "_streamed", 1, true, 0, true);
     variant(2, "_streamed", 2, true, 0, true);
     variant(1, "_streamed_split", 1, true, size_t{64} << 20, true);
-    run_variant(1, "_streamed_fused", fused(options(1, true, 0, true)));  // the merge only: no SwiGLU GEMV streamed
+    run_variant(1, "_streamed_fused", fused(options(1, true, 0, true)));  // the merge only: no SwiGLU or RoPE GEMV streamed
     f->set_launch_options(o.launch);
   }
 }

@@ -35,8 +35,9 @@ void check_launch(const char* kernel);
 int device_count();
 
 /// While alive, the launches of add_rmsnorm, swiglu, rope_qkv_store, paged_attention, gemv_bf16,
-/// gemv_bf16_swiglu and gemv_bf16_streamed made on this thread allow programmatic dependent launch (kernels/cuda/launch.cuh): each may
-/// start before the kernel ahead of it on the stream has finished, and waits for it inside.
+/// gemv_bf16_swiglu, gemv_bf16_rope_qkv and gemv_bf16_streamed made on this thread allow
+/// programmatic dependent launch (kernels/cuda/launch.cuh): each may start before the kernel
+/// ahead of it on the stream has finished, and waits for it inside.
 /// Ordinary launches (no scope, or `on` false) behave as before. Scopes nest.
 class pdl_scope {
  public:
@@ -165,19 +166,64 @@ enum class quant_type : int { q8_0 = 0, q4_0 = 1, q4_k = 2, q4_1 = 3 };
 void gemv_quant(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch,
                 cudaStream_t stream);
 
+/// The residual add and RMSNorm carried by the bf16 GEMVs on either side of them instead of an
+/// add_rmsnorm launch (engine::cuda::launch_options::gemv_fold_norm).
+///
+/// Writer (the GEMV whose outputs add into the residual stream: attention output, down): with
+/// `residual` set, each output is rounded to bf16 and added to residual (fp32 [batch, n_out]) as
+/// add_rmsnorm adds it (the same bits), and y receives bf16(new residual * norm_w) instead of the
+/// outputs, and sumsq_out[b, c] the sum of squares of the new residual values of CTA c's rows
+/// (norm_fold_parts(n_out) of them a row, in a fixed order).
+///
+/// Reader (the GEMV taking the normalized activations: qkv, gate|up): with `sumsq_in` set, x is
+/// such a y (n_in = the writer's n_out) and each dot product is scaled by
+/// 1 / sqrt(sum of sumsq_in's row / n_in + eps) before it is rounded: RMSNorm with neither a
+/// kernel nor a launch of its own. It differs from add_rmsnorm then gemv_bf16 only where bf16
+/// rounding falls (the norm's scale after the product instead of before).
+struct gemv_norm {
+  float* residual = nullptr;        // writer
+  const float* norm_w = nullptr;    // writer: the next RMSNorm's weights [n_out]
+  float* sumsq_out = nullptr;       // writer: [batch, norm_fold_parts(n_out)]
+  const float* sumsq_in = nullptr;  // reader: [batch, norm_fold_parts(n_in)]
+  float eps = 1e-5f;                // reader
+};
+
+/// Partial sums of squares a writer GEMV of n_out rows leaves per batch row (one per CTA).
+int64_t norm_fold_parts(int64_t n_out);
+
 /// The same product with bf16 weights [n_out, n_in] (n_in a multiple of 8, w and x 16-byte
 /// aligned): small-batch decode without cuBLASLt (engine::cuda::launch_options). prefetch_bytes
 /// > 0: each row's first that many bytes are asked of L2 before the kernel waits for the one
-/// ahead (under pdl_scope; the results are the same).
+/// ahead (under pdl_scope; the results are the same). norm: see gemv_norm (default: neither).
 void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream,
-               int prefetch_bytes = 0);
+               int prefetch_bytes = 0, const gemv_norm& norm = {});
 
 /// gemv_bf16 over the fused gate|up matrix w [2 * d_ff, n_in] (gate rows first) followed by
 /// swiglu, in one kernel: act[b, j] = silu(gate_j . x_b) * (up_j . x_b), each dot product
 /// rounded to bf16 first, so act holds the same bits as gemv_bf16 into a [batch, 2 * d_ff]
-/// buffer and swiglu from it. Same limits as gemv_bf16.
+/// buffer and swiglu from it. Same limits as gemv_bf16; norm may be a reader only (the same
+/// bits as gemv_bf16 with that reader, then swiglu).
 void gemv_bf16_swiglu(const bf16* w, int64_t d_ff, int64_t n_in, const bf16* x, bf16* act, int batch,
-                      cudaStream_t stream, int prefetch_bytes = 0);
+                      cudaStream_t stream, int prefetch_bytes = 0, const gemv_norm& norm = {});
+
+/// What rope_qkv_store takes besides the qkv activations.
+struct qkv_rope_args {
+  const float* bq = nullptr;  // optional biases, as rope_qkv_store's
+  const float* bk = nullptr;
+  const float* bv = nullptr;
+  rope_params rope;
+  step_layout st;  // batch row t of the GEMV is token row t (st.n_tokens <= 8)
+  kv_cache_view kv;
+  int layer = 0;
+  bf16* q_out = nullptr;
+};
+
+/// gemv_bf16 over the fused QKV matrix w [(n_heads + 2 n_kv_heads) * head_dim, n_in] followed by
+/// rope_qkv_store, in one kernel (launch_options::gemv_rope): Q and the cache get the same bits
+/// as gemv_bf16 into a qkv buffer then rope_qkv_store from it. Same limits as gemv_bf16 with
+/// batch = r.st.n_tokens; norm may be a reader only.
+void gemv_bf16_rope_qkv(const bf16* w, int64_t n_in, const bf16* x, const qkv_rope_args& r, cudaStream_t stream,
+                        int prefetch_bytes = 0, const gemv_norm& norm = {});
 
 /// The shape of gemv_bf16_streamed's pipeline: CTAs per SM, shared-memory stages, bytes a bulk
 /// copy (a multiple of 512, at most 64 KiB). Untuned: 2 x 4 x 16 KiB until a device measures.

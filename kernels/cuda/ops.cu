@@ -7,6 +7,7 @@
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/rope.cuh"
 
 namespace troupe::kernels::cuda {
 
@@ -236,61 +237,31 @@ void convert(const In* in, Out* out, int64_t n, cudaStream_t stream, const char*
 // is 41 CTAs for Llama-3-8B instead of one.
 __global__ void rope_qkv_store_kernel(const bf16* qkv, const float* bq, const float* bk, const float* bv,
                                       rope_params rp, step_layout st, kv_cache_view kv, int layer, bf16* q_out) {
-  extern __shared__ float cos_sin[];  // n_rot/2 (cos, sin) pairs for this row's position
+  extern __shared__ float2 cos_sin[];  // n_rot/2 (cos, sin) pairs for this row's position
   pdl_launch_dependents();
   pdl_wait();
   const int t = blockIdx.x, h = blockIdx.y;
-  const int pos = st.token_pos[t];
   const int hd = rp.head_dim, half_hd = hd / 2;
   const int q_dim = rp.n_heads * hd, kv_dim = rp.n_kv_heads * hd;
   const bf16* src = qkv + int64_t(t) * (q_dim + 2 * kv_dim);
-  const int32_t block = st.block_tables[st.bt_start[st.token_seq[t]] + pos / kv.block_size];
-  const int64_t slot_off = int64_t(pos % kv.block_size) * kv.row_elems();
+  fp16* k_slot = kv_slot(st, kv, t, layer);
 
   if (h == rp.n_heads + rp.n_kv_heads) {  // the V row (uniform over the CTA: no barrier below)
-    fp16* v_dst = kv.v_block(block, layer) + slot_off;
+    fp16* v_dst = k_slot + int64_t(kv.block_size) * kv.row_elems();
     const bf16* v_src = src + q_dim + kv_dim;
-    for (int i = threadIdx.x; i < kv_dim; i += blockDim.x)
-      v_dst[i] = __float2half_rn(__bfloat162float(v_src[i]) + (bv ? bv[i] : 0.0f));
+    for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) v_dst[i] = rope_v_value(__bfloat162float(v_src[i]), bv, i);
     return;
   }
 
-  const int half_rot = rp.n_rot / 2;
-  // Double precision, as kernels::rope_cos_sin: theta reaches tens of thousands of radians.
-  for (int i = threadIdx.x; i < half_rot; i += blockDim.x) {
-    double theta = double(pos) * pow(double(rp.base), -2.0 * i / rp.n_rot);
-    if (rp.freq_factors) theta /= rp.freq_factors[i];
-    double s, c;
-    sincos(theta, &s, &c);
-    cos_sin[2 * i] = float(c);
-    cos_sin[2 * i + 1] = float(s);
-  }
+  for (int i = threadIdx.x; i < rp.n_rot / 2; i += blockDim.x) cos_sin[i] = rope_angle(rp, st.token_pos[t], i);
   __syncthreads();
 
-  const bool neox = rp.kind == rope_kind::neox;
   const int col = h * hd;  // Q heads then K heads are contiguous in the row
-  const float* bias = h < rp.n_heads ? bq : bk;
-  const int bcol = h < rp.n_heads ? col : col - q_dim;
-  fp16* k_dst = kv.k_block(block, layer) + slot_off;
   for (int j = threadIdx.x; j < half_hd; j += blockDim.x) {
-    const bool rotate = j < half_rot;
-    const int a = rotate ? (neox ? j : 2 * j) : rp.n_rot + 2 * (j - half_rot);
-    const int b = rotate ? (neox ? j + half_rot : 2 * j + 1) : a + 1;
-    float x0 = __bfloat162float(src[col + a]), x1 = __bfloat162float(src[col + b]);
-    if (bias) x0 += bias[bcol + a], x1 += bias[bcol + b];
-    if (rotate) {
-      const float c = cos_sin[2 * j], s = cos_sin[2 * j + 1];
-      const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
-      x0 = y0, x1 = y1;
-    }
-    if (h < rp.n_heads) {
-      bf16* q = q_out + int64_t(t) * q_dim + col;
-      q[a] = __float2bfloat16_rn(x0);
-      q[b] = __float2bfloat16_rn(x1);
-    } else {
-      k_dst[bcol + a] = __float2half_rn(x0);
-      k_dst[bcol + b] = __float2half_rn(x1);
-    }
+    int a, b;
+    rope_pair(rp, j, a, b);
+    rope_qk_pair(rp, h, j, a, b, __bfloat162float(src[col + a]), __bfloat162float(src[col + b]), bq, bk,
+                 j < rp.n_rot / 2 ? cos_sin[j] : float2{}, q_out + int64_t(t) * q_dim, k_slot);
   }
 }
 
@@ -347,7 +318,7 @@ void rope_qkv_store(const bf16* qkv, const float* bq, const float* bk, const flo
   if (st.n_tokens <= 0) return;
   if (rp.n_rot % 2 != 0 || rp.n_rot > rp.head_dim || rp.head_dim % 2 != 0)
     throw cuda_error("rope_qkv_store: n_rot and head_dim must be even with n_rot <= head_dim");
-  const size_t smem = size_t(rp.n_rot) * sizeof(float);
+  const size_t smem = size_t(rp.n_rot / 2) * sizeof(float2);
   const dim3 grid(st.n_tokens, rp.n_heads + rp.n_kv_heads + 1);
   launch(rope_qkv_store_kernel, grid, rope_threads, smem, stream, qkv, bq, bk, bv, rp, st, kv, layer, q_out);
   check_launch("rope_qkv_store");

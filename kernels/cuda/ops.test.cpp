@@ -241,6 +241,64 @@ void check_rope_qkv_store(const rope_case& c, std::mt19937_64& g) {
   CHECK(normalized_error(got_written, want_written) <= fp16_bound);
 }
 
+// gemv_bf16_rope_qkv against gemv_bf16 then rope_qkv_store: `batch` sequences of one token each
+// at scattered positions (the first past 4096), n_in with a ragged tail, optionally a norm reader
+// (random partial sums); Q and the whole cache compared bit for bit (poison included).
+void check_gemv_rope(const rope_case& c, int batch, std::mt19937_64& g) {
+  const int n_heads = 6, n_kv = 2, hd = c.head_dim, n_layers = 2, layer = 1, bs = 16, n_blocks = 24;
+  const int q_dim = n_heads * hd, kv_dim = n_kv * hd, rows = q_dim + 2 * kv_dim;
+  const int64_t n_in = 264;
+  std::vector<int32_t> pool(n_blocks);
+  std::iota(pool.begin(), pool.end(), 0);
+  std::shuffle(pool.begin(), pool.end(), g);
+  std::vector<int32_t> q_start = {0}, pos0, bt_start, tables, token_pos, token_seq;
+  for (int s = 0; s < batch; ++s) {
+    const int pos = s == 0 ? 5000 : int(g() % 300);
+    q_start.push_back(s + 1);
+    pos0.push_back(pos);
+    bt_start.push_back(int32_t(tables.size()));
+    for (int b = 0; b < pos / bs; ++b) tables.push_back(-1);  // earlier blocks: not written this step
+    tables.push_back(pool.back());
+    pool.pop_back();
+    token_pos.push_back(pos);
+    token_seq.push_back(s);
+  }
+  const auto w = round_bf16(random_floats(size_t(rows) * n_in, g)), x = round_bf16(random_floats(size_t(batch) * n_in, g));
+  const auto bq = random_floats(size_t(q_dim), g), bk = random_floats(size_t(kv_dim), g), bv = random_floats(size_t(kv_dim), g);
+  const auto freq = random_floats(size_t(c.n_rot / 2), g, 1.0f, 8.0f);
+  const auto sumsq = random_floats(size_t(batch * norm_fold_parts(n_in)), g, 0.5f, 2.0f);
+  dev_buf<bf16> d_w(to_bf16(w)), d_x(to_bf16(x)), d_qkv(size_t(batch) * rows);
+  dev_buf<float> d_bq(bq), d_bk(bk), d_bv(bv), d_freq(freq), d_sumsq(sumsq);
+  dev_buf<int32_t> d_q_start(q_start), d_pos0(pos0), d_bt_start(bt_start), d_tables(tables), d_token_pos(token_pos),
+      d_token_seq(token_seq);
+  const int64_t block_elems = int64_t(n_layers) * 2 * bs * kv_dim;
+
+  qkv_rope_args r;
+  if (c.bias) r.bq = d_bq.p, r.bk = d_bk.p, r.bv = d_bv.p;
+  r.rope.n_heads = n_heads, r.rope.n_kv_heads = n_kv, r.rope.head_dim = hd, r.rope.n_rot = c.n_rot, r.rope.kind = c.kind;
+  r.rope.freq_factors = c.freq ? d_freq.p : nullptr;
+  r.st.n_seqs = batch, r.st.n_tokens = batch, r.st.max_q_len = 1, r.st.max_kv_len = 5001;
+  r.st.q_start = d_q_start.p, r.st.pos0 = d_pos0.p, r.st.bt_start = d_bt_start.p, r.st.block_tables = d_tables.p;
+  r.st.token_pos = d_token_pos.p, r.st.token_seq = d_token_seq.p;
+  r.kv.block_elems = block_elems, r.kv.n_layers = n_layers, r.kv.block_size = bs, r.kv.n_kv_heads = n_kv, r.kv.head_dim = hd;
+  r.layer = layer;
+  for (const bool reader : {false, true}) {
+    INFO("batch " << batch << " norm reader " << reader);
+    gemv_norm norm;
+    if (reader) norm.sumsq_in = d_sumsq.p, norm.eps = 1e-6f;
+    dev_buf<fp16> cache_two(size_t(n_blocks * block_elems)), cache_one(size_t(n_blocks * block_elems));
+    dev_buf<bf16> q_two(size_t(batch) * q_dim), q_one(size_t(batch) * q_dim);
+    cache_two.poison(), cache_one.poison(), q_two.poison(), q_one.poison();
+    gemv_bf16(d_w.p, rows, n_in, d_x.p, d_qkv.p, batch, nullptr, 0, norm);
+    r.kv.base = cache_two.p, r.q_out = q_two.p;
+    rope_qkv_store(d_qkv.p, r.bq, r.bk, r.bv, r.rope, r.st, r.kv, layer, q_two.p, nullptr);
+    r.kv.base = cache_one.p, r.q_out = q_one.p;
+    gemv_bf16_rope_qkv(d_w.p, n_in, d_x.p, r, nullptr, reader ? 512 : 0, norm);
+    CHECK(std::memcmp(q_one.download().data(), q_two.download().data(), q_one.bytes()) == 0);
+    CHECK(std::memcmp(cache_one.download().data(), cache_two.download().data(), cache_one.bytes()) == 0);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("rope_qkv_store adds biases, rotates Q and K and writes the paged cache", "[cuda]") {
@@ -256,4 +314,33 @@ TEST_CASE("rope_qkv_store adds biases, rotates Q and K and writes the paged cach
                              << " freq " << freq);
             check_rope_qkv_store({hd, n_rot, kind, bias, freq}, g);
           }
+}
+
+TEST_CASE("gemv_bf16_rope_qkv equals gemv_bf16 then rope_qkv_store bit for bit", "[cuda]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 g(seed);
+  const bool pdl = GENERATE(false, true);
+  const pdl_scope scope(pdl);
+  for (const int hd : {64, 128})
+    for (const int n_rot : {hd, hd / 2})
+      for (const rope_kind kind : {rope_kind::normal, rope_kind::neox})
+        for (const bool bias : {false, true})
+          for (const int batch : {1, 3, 8}) {
+            INFO("pdl " << pdl << " head_dim " << hd << " n_rot " << n_rot << " neox " << (kind == rope_kind::neox)
+                        << " bias and freq factors " << bias);
+            check_gemv_rope({hd, n_rot, kind, bias, bias}, batch, g);
+          }
+  dev_buf<bf16> w(size_t(16 * 64)), x(size_t(9 * 64));
+  qkv_rope_args r;
+  r.rope.n_heads = r.rope.n_kv_heads = 1, r.rope.head_dim = 4, r.rope.n_rot = 4;
+  r.st.n_tokens = 9;  // more token rows than the GEMV's 8
+  CHECK_THROWS_AS(gemv_bf16_rope_qkv(w.p, 64, x.p, r, nullptr), cuda_error);
+  r.st.n_tokens = 1, r.rope.n_rot = 3;
+  CHECK_THROWS_AS(gemv_bf16_rope_qkv(w.p, 64, x.p, r, nullptr), cuda_error);
+  r.rope.n_rot = 4;
+  dev_buf<float> f(size_t(16));
+  gemv_norm writer;
+  writer.residual = f.p, writer.norm_w = f.p, writer.sumsq_out = f.p;
+  CHECK_THROWS_AS(gemv_bf16_rope_qkv(w.p, 64, x.p, r, nullptr, 0, writer), cuda_error);
 }

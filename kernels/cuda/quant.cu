@@ -14,6 +14,7 @@
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/rope.cuh"
 
 namespace troupe::kernels::cuda {
 
@@ -239,47 +240,106 @@ __device__ __forceinline__ void gemv_bf16_row(const bf16* __restrict__ row_w, in
   for (int b = 0; b < B; ++b) acc[b] = warp_sum(acc[b]);
 }
 
-template <int B>
+// A reader's RMSNorm scale for batch row b: 1 / sqrt(sum of the writer's partial sums / n + eps),
+// the partials summed lane by lane in a fixed order (the same value in every warp and kernel).
+__device__ __forceinline__ float norm_fold_scale(const float* __restrict__ sumsq, int64_t n, float eps) {
+  const int64_t parts = (n + gemv_warps - 1) / gemv_warps;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x & 31; i < parts; i += 32) ss += sumsq[i];
+  return 1.0f / sqrtf(warp_sum(ss) / float(n) + eps);
+}
+
+// One warp's B dot products of row `row_w`, scaled as a gemv_norm reader when Reader (every lane
+// returns them).
+template <int B, bool Reader>
+__device__ __forceinline__ void gemv_bf16_dots(const bf16* __restrict__ row_w, int64_t n_in, const bf16* __restrict__ x,
+                                               const gemv_norm& norm, float (&acc)[B]) {
+  gemv_bf16_row<B>(row_w, n_in, x, acc);
+  if constexpr (Reader) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) acc[b] *= norm_fold_scale(norm.sumsq_in + b * ((n_in + gemv_warps - 1) / gemv_warps), n_in, norm.eps);
+  }
+}
+
+// The fused GEMVs up to their epilogue: warp w's row (null: none, the warp only synchronizes)
+// prefetched, the wait for the kernel ahead, its B dot products into sums[w], a barrier.
+template <int B, bool Reader>
+__device__ __forceinline__ void gemv_bf16_cta_dots(const bf16* __restrict__ row, int64_t n_in, const bf16* __restrict__ x,
+                                                   const gemv_norm& norm, int prefetch_bytes, float (&sums)[gemv_warps][B]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (row && prefetch_bytes > 0) gemv_prefetch_row(row, n_in, prefetch_bytes);
+  pdl_wait();
+  if (row) {
+    float acc[B];
+    gemv_bf16_dots<B, Reader>(row, n_in, x, norm, acc);
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+      if (lane == b) sums[warp][b] = acc[b];
+  }
+  __syncthreads();
+}
+
+template <int B, bool Reader, bool Writer>
 __global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_kernel(const bf16* __restrict__ w, int64_t n_out, int64_t n_in,
                                                                     const bf16* __restrict__ x, bf16* __restrict__ y,
-                                                                    int prefetch_bytes) {
+                                                                    int prefetch_bytes, gemv_norm norm) {
   pdl_launch_dependents();
-  const int lane = threadIdx.x & 31;
-  const int64_t o = int64_t(blockIdx.x) * gemv_warps + (threadIdx.x >> 5);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t o = int64_t(blockIdx.x) * gemv_warps + warp;
   if (o < n_out && prefetch_bytes > 0) gemv_prefetch_row(w + o * n_in, n_in, prefetch_bytes);
   pdl_wait();
-  if (o >= n_out) return;  // whole warps leave together
-  float acc[B];
-  gemv_bf16_row<B>(w + o * n_in, n_in, x, acc);
+  if constexpr (!Writer) {
+    if (o >= n_out) return;  // whole warps leave together
+    float acc[B];
+    gemv_bf16_dots<B, Reader>(w + o * n_in, n_in, x, norm, acc);
 #pragma unroll
-  for (int b = 0; b < B; ++b)
-    if (lane == b) y[b * n_out + o] = __float2bfloat16_rn(acc[b]);
+    for (int b = 0; b < B; ++b)
+      if (lane == b) y[b * n_out + o] = __float2bfloat16_rn(acc[b]);
+  } else {
+    // Residual add as add_rmsnorm does it (x + float(bf16 y)), then the normalized input of the
+    // next GEMV before its scale, and this CTA's sum of squares per batch row.
+    __shared__ float squares[gemv_warps][B];
+    if (o < n_out) {
+      float acc[B];
+      gemv_bf16_dots<B, Reader>(w + o * n_in, n_in, x, norm, acc);
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        if (lane != b) continue;
+        float* r = norm.residual + b * n_out + o;
+        const float v = *r + __bfloat162float(__float2bfloat16_rn(acc[b]));
+        *r = v;
+        y[b * n_out + o] = __float2bfloat16_rn(v * norm.norm_w[o]);
+        squares[warp][b] = v * v;
+      }
+    } else if (lane < B) {
+      squares[warp][lane] = 0.0f;  // the last CTA's rows past n_out
+    }
+    __syncthreads();
+    if (threadIdx.x < B) {
+      float ss = 0.0f;
+#pragma unroll
+      for (int k = 0; k < gemv_warps; ++k) ss += squares[k][threadIdx.x];
+      norm.sumsq_out[threadIdx.x * gridDim.x + blockIdx.x] = ss;
+    }
+  }
 }
 
 // The gate|up GEMV with SwiGLU on its outputs: CTA c computes act[:, 2c] and act[:, 2c + 1], its
 // warps taking gate rows 2c, 2c + 1 and up rows d_ff + 2c, d_ff + 2c + 1 (the same per-row sums
 // as gemv_bf16_kernel, rounded to bf16 as it stores them), then silu_mul as swiglu does: the
 // result is the bits of gemv_bf16 followed by swiglu, without the gate|up round trip or a launch.
-template <int B>
+template <int B, bool Reader>
 __global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_swiglu_kernel(const bf16* __restrict__ w, int64_t d_ff,
                                                                            int64_t n_in, const bf16* __restrict__ x,
-                                                                           bf16* __restrict__ act, int prefetch_bytes) {
+                                                                           bf16* __restrict__ act, int prefetch_bytes,
+                                                                           gemv_norm norm) {
   static_assert(gemv_warps == 4, "two gate and two up rows a CTA");
   __shared__ float sums[gemv_warps][B];
   pdl_launch_dependents();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
   const int64_t j = int64_t(blockIdx.x) * 2 + (warp & 1);
-  const bf16* row = w + ((warp >> 1) * d_ff + j) * n_in;  // gate row j (warps 0, 1) or up row j (2, 3)
-  if (j < d_ff && prefetch_bytes > 0) gemv_prefetch_row(row, n_in, prefetch_bytes);
-  pdl_wait();
-  if (j < d_ff) {  // the last CTA of an odd d_ff has one column: its other warps only synchronize
-    float acc[B];
-    gemv_bf16_row<B>(row, n_in, x, acc);
-#pragma unroll
-    for (int b = 0; b < B; ++b)
-      if (lane == b) sums[warp][b] = acc[b];
-  }
-  __syncthreads();
+  // Gate row j (warps 0, 1) or up row j (2, 3); the last CTA of an odd d_ff has one column.
+  gemv_bf16_cta_dots<B, Reader>(j < d_ff ? w + ((warp >> 1) * d_ff + j) * n_in : nullptr, n_in, x, norm, prefetch_bytes, sums);
   if (threadIdx.x < 2 * B) {
     const int pair = threadIdx.x & 1, b = threadIdx.x >> 1;
     const int64_t jj = int64_t(blockIdx.x) * 2 + pair;
@@ -288,6 +348,63 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_swiglu_kernel(const
       const float u = __bfloat162float(__float2bfloat16_rn(sums[2 + pair][b]));
       act[b * d_ff + jj] = __float2bfloat16_rn(silu_mul(g, u));
     }
+  }
+}
+
+// Where rope_qkv_store's work lands in the fused qkv GEMV: (q_dim + 2 kv_dim) / 2 work items a
+// token row: item j of each Q and K head h (columns a, b: rope_pair), then V's columns two by two.
+struct qkv_item {
+  int h, j, a, b;  // h == -1: V columns 2j, 2j + 1
+  __device__ qkv_item(const rope_params& rp, int p) {
+    const int half_hd = rp.head_dim / 2, qk_items = (rp.n_heads + rp.n_kv_heads) * half_hd;
+    if (p < qk_items) {
+      h = p / half_hd, j = p % half_hd;
+      rope_pair(rp, j, a, b);
+    } else {
+      h = -1, j = p - qk_items, a = 2 * j, b = a + 1;
+    }
+  }
+  // Rows of the fused QKV matrix holding columns a and b.
+  __device__ int64_t row(const rope_params& rp, bool second) const {
+    const int q_dim = rp.n_heads * rp.head_dim, kv_dim = rp.n_kv_heads * rp.head_dim;
+    return (h < 0 ? q_dim + kv_dim : h * rp.head_dim) + (second ? b : a);
+  }
+};
+
+// The qkv GEMV with bias, RoPE and the KV-cache write on its own outputs: CTA c computes work
+// items 2c and 2c + 1 (qkv_item), a warp per column (the same per-row sums as gemv_bf16_kernel,
+// rounded to bf16 as it stores them), then finishes each item as rope_qkv_store does (rope.cuh):
+// the same Q and cache bits as gemv_bf16 then rope_qkv_store, without the qkv round trip or a
+// launch. Batch row t is token row t of st.
+template <int B, bool Reader>
+__global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_rope_kernel(const bf16* __restrict__ w, int64_t n_in,
+                                                                         const bf16* __restrict__ x, qkv_rope_args r,
+                                                                         int prefetch_bytes, gemv_norm norm) {
+  static_assert(gemv_warps == 4, "two work items of two columns a CTA");
+  __shared__ float sums[gemv_warps][B];
+  pdl_launch_dependents();
+  const rope_params& rp = r.rope;
+  const int warp = threadIdx.x >> 5;
+  const int n_items = (rp.n_heads + 2 * rp.n_kv_heads) * rp.head_dim / 2;
+  const int p = blockIdx.x * 2 + (warp >> 1);
+  // The last CTA of an odd item count has one.
+  gemv_bf16_cta_dots<B, Reader>(p < n_items ? w + qkv_item(rp, p).row(rp, warp & 1) * n_in : nullptr, n_in, x, norm,
+                                prefetch_bytes, sums);
+  if (threadIdx.x >= 2 * B) return;
+  const int local = threadIdx.x & 1, t = threadIdx.x >> 1;
+  const int pp = blockIdx.x * 2 + local;
+  if (pp >= n_items) return;
+  const qkv_item it(rp, pp);
+  const float x0 = __bfloat162float(__float2bfloat16_rn(sums[2 * local][t]));
+  const float x1 = __bfloat162float(__float2bfloat16_rn(sums[2 * local + 1][t]));
+  fp16* k_slot = kv_slot(r.st, r.kv, t, r.layer);
+  if (it.h < 0) {
+    fp16* v_dst = k_slot + int64_t(r.kv.block_size) * r.kv.row_elems();
+    v_dst[it.a] = rope_v_value(x0, r.bv, it.a);
+    v_dst[it.b] = rope_v_value(x1, r.bv, it.b);
+  } else {
+    const float2 cs = it.j < rp.n_rot / 2 ? rope_angle(rp, r.st.token_pos[t], it.j) : float2{};
+    rope_qk_pair(rp, it.h, it.j, it.a, it.b, x0, x1, r.bq, r.bk, cs, r.q_out + int64_t(t) * rp.n_heads * rp.head_dim, k_slot);
   }
 }
 
@@ -352,27 +469,56 @@ void check_bf16_args(const char* name, const bf16* w, int64_t n_in, const bf16* 
 
 }  // namespace
 
+int64_t norm_fold_parts(int64_t n_out) { return (n_out + gemv_warps - 1) / gemv_warps; }
+
 void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream,
-               int prefetch_bytes) {
+               int prefetch_bytes, const gemv_norm& norm) {
   check_bf16_args("gemv_bf16", w, n_in, x, batch, prefetch_bytes);
+  const bool reader = norm.sumsq_in != nullptr, writer = norm.residual != nullptr;
+  if (writer && (!norm.norm_w || !norm.sumsq_out)) throw cuda_error("gemv_bf16: a norm writer needs norm_w and sumsq_out");
+  if (!writer && (norm.norm_w || norm.sumsq_out)) throw cuda_error("gemv_bf16: norm_w or sumsq_out without a residual");
   if (n_out <= 0 || n_in <= 0) return;
-  const auto blocks = unsigned((n_out + gemv_warps - 1) / gemv_warps);
+  const auto blocks = unsigned(norm_fold_parts(n_out));
   with_batch(batch, [&](auto b) {
-    launch(gemv_bf16_kernel<decltype(b)::value>, blocks, gemv_warps * 32, 0, stream, w, n_out, n_in, x, y, prefetch_bytes);
+    constexpr int B = decltype(b)::value;
+    auto kernel = reader ? (writer ? gemv_bf16_kernel<B, true, true> : gemv_bf16_kernel<B, true, false>)
+                         : (writer ? gemv_bf16_kernel<B, false, true> : gemv_bf16_kernel<B, false, false>);
+    launch(kernel, blocks, gemv_warps * 32, 0, stream, w, n_out, n_in, x, y, prefetch_bytes, norm);
   });
   check_launch("gemv_bf16");
 }
 
 void gemv_bf16_swiglu(const bf16* w, int64_t d_ff, int64_t n_in, const bf16* x, bf16* act, int batch, cudaStream_t stream,
-                      int prefetch_bytes) {
+                      int prefetch_bytes, const gemv_norm& norm) {
   check_bf16_args("gemv_bf16_swiglu", w, n_in, x, batch, prefetch_bytes);
+  if (norm.residual || norm.norm_w || norm.sumsq_out) throw cuda_error("gemv_bf16_swiglu: a norm reader only");
   if (d_ff <= 0 || n_in <= 0) return;
   const auto blocks = unsigned((d_ff + 1) / 2);
   with_batch(batch, [&](auto b) {
-    launch(gemv_bf16_swiglu_kernel<decltype(b)::value>, blocks, gemv_warps * 32, 0, stream, w, d_ff, n_in, x, act,
-           prefetch_bytes);
+    constexpr int B = decltype(b)::value;
+    auto kernel = norm.sumsq_in ? gemv_bf16_swiglu_kernel<B, true> : gemv_bf16_swiglu_kernel<B, false>;
+    launch(kernel, blocks, gemv_warps * 32, 0, stream, w, d_ff, n_in, x, act, prefetch_bytes, norm);
   });
   check_launch("gemv_bf16_swiglu");
+}
+
+void gemv_bf16_rope_qkv(const bf16* w, int64_t n_in, const bf16* x, const qkv_rope_args& r, cudaStream_t stream,
+                        int prefetch_bytes, const gemv_norm& norm) {
+  const int batch = r.st.n_tokens;
+  check_bf16_args("gemv_bf16_rope_qkv", w, n_in, x, batch, prefetch_bytes);
+  const rope_params& rp = r.rope;
+  if (rp.n_rot % 2 != 0 || rp.n_rot > rp.head_dim || rp.head_dim % 2 != 0 || rp.n_heads <= 0 || rp.n_kv_heads <= 0)
+    throw cuda_error("gemv_bf16_rope_qkv: n_rot and head_dim must be even with n_rot <= head_dim, heads > 0");
+  if (norm.residual || norm.norm_w || norm.sumsq_out) throw cuda_error("gemv_bf16_rope_qkv: a norm reader only");
+  if (n_in <= 0) return;
+  const int64_t n_items = int64_t(rp.n_heads + 2 * rp.n_kv_heads) * rp.head_dim / 2;
+  const auto blocks = unsigned((n_items + 1) / 2);
+  with_batch(batch, [&](auto b) {
+    constexpr int B = decltype(b)::value;
+    auto kernel = norm.sumsq_in ? gemv_bf16_rope_kernel<B, true> : gemv_bf16_rope_kernel<B, false>;
+    launch(kernel, blocks, gemv_warps * 32, 0, stream, w, n_in, x, r, prefetch_bytes, norm);
+  });
+  check_launch("gemv_bf16_rope_qkv");
 }
 
 void gemv_quant(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch,

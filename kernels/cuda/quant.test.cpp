@@ -165,6 +165,112 @@ TEST_CASE("gemv_bf16_swiglu equals gemv_bf16 then swiglu bit for bit", "[cuda]")
   CHECK_THROWS_AS(gemv_bf16(w.p, 2, 16, x.p, y.p, 1, nullptr, -1), cuda_error);
 }
 
+TEST_CASE("gemv_bf16 with the residual add and RMSNorm folded in (gemv_norm) against add_rmsnorm and the host", "[cuda]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 g(seed);
+  const bool pdl = GENERATE(false, true);
+  const pdl_scope scope(pdl);
+  const float eps = 1e-5f;
+  // {d, writer inputs k, reader outputs m}: Llama-3-8B's d; a last CTA of two rows and a ragged
+  // reader; one CTA.
+  const int64_t shapes[][3] = {{4096, 1024, 1003}, {1032, 520, 129}, {8, 16, 5}};
+  for (const auto& sh : shapes) {
+    const int64_t d = sh[0], k = sh[1], m = sh[2], parts = norm_fold_parts(d);
+    const auto w1 = round_bf16(random_floats(size_t(d * k), g)), w2 = round_bf16(random_floats(size_t(m * d), g));
+    const auto w3 = round_bf16(random_floats(size_t(2 * m * d), g)), w4 = round_bf16(random_floats(size_t(d * d), g));
+    const auto gain = random_floats(size_t(d), g, 0.5f, 1.5f);
+    dev_buf<bf16> d_w1(to_bf16(w1)), d_w2(to_bf16(w2)), d_w3(to_bf16(w3)), d_w4(to_bf16(w4));
+    dev_buf<float> d_gain(gain);
+    for (const int batch : {1, 2, 8}) {
+      INFO("pdl " << pdl << " d " << d << " k " << k << " m " << m << " batch " << batch);
+      const auto a = round_bf16(random_floats(size_t(batch * k), g));
+      const auto r0 = random_floats(size_t(batch * d), g, -4.0f, 4.0f);
+      dev_buf<bf16> d_a(to_bf16(a));
+      const size_t bd = size_t(batch * d), bm = size_t(batch * m);
+
+      // Unfused: the writer's GEMV, add_rmsnorm, the reader's GEMV.
+      dev_buf<float> d_r_ref(r0);
+      dev_buf<bf16> d_y(bd), d_h(bd), d_out_ref(bm);
+      gemv_bf16(d_w1.p, d, k, d_a.p, d_y.p, batch, nullptr);
+      add_rmsnorm(d_r_ref.p, d_y.p, d_gain.p, d_h.p, batch, int(d), eps, nullptr);
+      gemv_bf16(d_w2.p, m, d, d_h.p, d_out_ref.p, batch, nullptr);
+
+      // Folded: the writer leaves the residual (the same bits), x * gain and the partial sums.
+      dev_buf<float> d_r(r0), d_ss(size_t(batch * parts));
+      dev_buf<bf16> d_xg(bd), d_out(bm);
+      d_xg.poison();
+      d_ss.poison();
+      d_out.poison();
+      gemv_norm writer;
+      writer.residual = d_r.p, writer.norm_w = d_gain.p, writer.sumsq_out = d_ss.p;
+      gemv_bf16(d_w1.p, d, k, d_a.p, d_xg.p, batch, nullptr, 0, writer);
+      const std::vector<float> r = d_r.download(), ss = d_ss.download(), xg = from_bf16(d_xg.download());
+      CHECK(std::memcmp(r.data(), d_r_ref.download().data(), d_r.bytes()) == 0);
+      std::vector<float> want_xg(bd), want_ss(size_t(batch * parts), 0.0f);
+      std::vector<double> scale((size_t)batch);
+      for (int b = 0; b < batch; ++b) {
+        double total = 0.0;
+        for (int64_t i = 0; i < d; ++i) {
+          const float v = r[size_t(b * d + i)];
+          want_xg[size_t(b * d + i)] = v * gain[size_t(i)];
+          want_ss[size_t(b * parts + i / 4)] += v * v;
+          total += double(v) * v;
+        }
+        scale[size_t(b)] = 1.0 / std::sqrt(total / double(d) + eps);
+      }
+      CHECK(std::memcmp(to_bf16(want_xg).data(), d_xg.download().data(), d_xg.bytes()) == 0);
+      double ss_err = 0.0;
+      for (size_t i = 0; i < ss.size(); ++i) ss_err = std::max(ss_err, std::fabs(double(ss[i]) - want_ss[i]) / (1e-30 + want_ss[i]));
+      CHECK(ss_err <= 1e-6);
+
+      // The reader against the host's exact norm and the unfused path.
+      gemv_norm reader;
+      reader.sumsq_in = d_ss.p, reader.eps = eps;
+      gemv_bf16(d_w2.p, m, d, d_xg.p, d_out.p, batch, nullptr, 0, reader);
+      std::vector<float> normed(bd);
+      for (int b = 0; b < batch; ++b)
+        for (int64_t i = 0; i < d; ++i)
+          normed[size_t(b * d + i)] = float(double(r[size_t(b * d + i)]) * scale[size_t(b)] * gain[size_t(i)]);
+      const std::vector<float> want = reference_gemv(w2, normed, batch, m, d), out = from_bf16(d_out.download());
+      CHECK(normalized_error(out, want) <= 1e-2);
+      CHECK(normalized_error(from_bf16(d_out_ref.download()), want) <= 1e-2);
+      CHECK(normalized_error(out, from_bf16(d_out_ref.download())) <= 1e-2);
+
+      // Reader and writer in one launch: the reader's rounded products added to the residual.
+      dev_buf<bf16> d_p(bd), d_xg2(bd);
+      dev_buf<float> d_r2(r), d_ss2(size_t(batch * parts));
+      gemv_bf16(d_w4.p, d, d, d_xg.p, d_p.p, batch, nullptr, 0, reader);
+      gemv_norm both = writer;
+      both.residual = d_r2.p, both.sumsq_out = d_ss2.p, both.sumsq_in = d_ss.p, both.eps = eps;
+      gemv_bf16(d_w4.p, d, d, d_xg.p, d_xg2.p, batch, nullptr, 1 << 10, both);
+      std::vector<float> want_r2 = r;
+      const std::vector<float> p = from_bf16(d_p.download());
+      for (size_t i = 0; i < bd; ++i) want_r2[i] += p[i];
+      CHECK(std::memcmp(d_r2.download().data(), want_r2.data(), d_r2.bytes()) == 0);
+
+      // The SwiGLU GEMV as a reader: the bits of the reader gemv_bf16, then swiglu.
+      dev_buf<bf16> d_gu(size_t(2) * bm), d_two(bm), d_one(bm);
+      d_one.poison();
+      gemv_bf16(d_w3.p, 2 * m, d, d_xg.p, d_gu.p, batch, nullptr, 0, reader);
+      swiglu(d_gu.p, d_two.p, batch, int(m), nullptr);
+      gemv_bf16_swiglu(d_w3.p, m, d, d_xg.p, d_one.p, batch, nullptr, 0, reader);
+      CHECK(std::memcmp(d_one.download().data(), d_two.download().data(), d_one.bytes()) == 0);
+    }
+  }
+  dev_buf<bf16> w(size_t(64)), x(size_t(16)), y(size_t(8));
+  dev_buf<float> f(size_t(16));
+  gemv_norm no_gain;
+  no_gain.residual = f.p, no_gain.sumsq_out = f.p;
+  CHECK_THROWS_AS(gemv_bf16(w.p, 4, 16, x.p, y.p, 1, nullptr, 0, no_gain), cuda_error);
+  gemv_norm no_residual;
+  no_residual.norm_w = f.p, no_residual.sumsq_out = f.p;
+  CHECK_THROWS_AS(gemv_bf16(w.p, 4, 16, x.p, y.p, 1, nullptr, 0, no_residual), cuda_error);
+  gemv_norm writer;
+  writer.residual = f.p, writer.norm_w = f.p, writer.sumsq_out = f.p;
+  CHECK_THROWS_AS(gemv_bf16_swiglu(w.p, 2, 16, x.p, y.p, 1, nullptr, 0, writer), cuda_error);
+}
+
 TEST_CASE("gemv_bf16_streamed matches bf16 weights times bf16 activations, repeatably", "[cuda]") {
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
