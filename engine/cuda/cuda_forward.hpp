@@ -90,7 +90,7 @@ struct launch_options {
   /// The qkv GEMV of such steps applies the biases, RoPE and the KV-cache write to its own
   /// outputs (kernels::cuda::gemv_bf16_rope_qkv: the same bits, one launch and the qkv round trip
   /// fewer per layer). Not with the streamed GEMV. Off until a device measures it
-  /// (decode_b1_rope_*, decode_b1_all_*).
+  /// (decode_b1_rope_only_*, and every *_fused_* line).
   bool gemv_rope = false;
 };
 

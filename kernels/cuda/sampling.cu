@@ -88,11 +88,25 @@ __device__ __forceinline__ void better_of(float& v, int& i, float v2, int i2) {
   if (v2 > v || (v2 == v && i2 < i)) v = v2, i = i2;  // NaN never wins
 }
 
-/// Largest logit and its lowest index (INT_MAX when every logit is NaN).
+/// Largest logit and its lowest index (INT_MAX when every logit is NaN). Each thread has
+/// argmax_batch loads in flight per round: one at a time, a 128k vocabulary is a chain of 125
+/// dependent-issue L2 round trips a thread, the likely reason the sampling kernel took 48 us of a
+/// batch-1 decode step for a 0.5 MB row (docs/perf.md §4b; not yet re-measured). The order of the
+/// comparisons does not change the result (ties go to the lower index).
+constexpr int argmax_batch = 8;
 __device__ void block_argmax(const float* l, int n, row_smem& sm, float& best, int& best_i) {
   float v = -INFINITY;
   int idx = INT_MAX;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) better_of(v, idx, l[i], i);
+  const int stride = blockDim.x;
+  int i = threadIdx.x;
+  for (; i + (argmax_batch - 1) * stride < n; i += argmax_batch * stride) {
+    float x[argmax_batch];
+#pragma unroll
+    for (int k = 0; k < argmax_batch; ++k) x[k] = l[i + k * stride];
+#pragma unroll
+    for (int k = 0; k < argmax_batch; ++k) better_of(v, idx, x[k], i + k * stride);
+  }
+  for (; i < n; i += stride) better_of(v, idx, l[i], i);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) better_of(v, idx, __shfl_xor_sync(full_mask, v, o), __shfl_xor_sync(full_mask, idx, o));
   __syncthreads();

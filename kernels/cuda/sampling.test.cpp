@@ -156,8 +156,11 @@ TEST_CASE("sample_tokens greedy picks the CPU argmax, lowest id on ties", "[cuda
   params[1] = stochastic(1.0f, 1, 1.0f, 0.0f, 1, 7);  // top_k 1 is greedy at any temperature
   params[4].temperature = -1.0f;
   float* tie = &logits[2 * size_t(vocab)];
-  tie[40000] = tie[100] = *std::max_element(tie, tie + vocab) + 1.0f;
+  // Ties in different threads (100, 40000) and in one thread's batch of loads (100 + 3 * 1024).
+  tie[40000] = tie[100 + 3 * 1024] = tie[100] = *std::max_element(tie, tie + vocab) + 1.0f;
   std::fill_n(&logits[3 * size_t(vocab)], vocab, std::numeric_limits<float>::quiet_NaN());
+  float* last = &logits[4 * size_t(vocab)];  // the maximum past the batched rounds, in the tail
+  last[vocab - 1] = *std::max_element(last, last + vocab) + 1.0f;
   const auto got = run(logits, vocab, params).tokens;
   for (int r = 0; r < rows; ++r) {
     INFO("row " << r);
@@ -166,6 +169,7 @@ TEST_CASE("sample_tokens greedy picks the CPU argmax, lowest id on ties", "[cuda
   }
   CHECK(got[2] == 100);
   CHECK(got[3] == 0);
+  CHECK(got[4] == vocab - 1);
 }
 
 TEST_CASE("sample_tokens applies repetition, presence and frequency penalties as the CPU sampler", "[cuda]") {
