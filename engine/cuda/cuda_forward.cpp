@@ -439,6 +439,7 @@ void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
     sc.partial_out = attn_scratch_.as<float>();
     sc.partial_ml = sc.partial_out + (size_t)cap_split_rows_ * hp.n_heads * sc.max_splits * hp.head_dim;
     if (opt_.launch.attention_last_cta_merge && sc.max_splits > 1) sc.counters = attn_counters_.as<unsigned>();
+    sc.kv_per_split = opt_.launch.attention_kv_per_split;
   }
   const float scale = 1.0f / std::sqrt((float)hp.head_dim);
 

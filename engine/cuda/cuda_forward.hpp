@@ -92,6 +92,10 @@ struct launch_options {
   /// fewer per layer). Not with the streamed GEMV. Off until a device measures it
   /// (decode_b1_rope_only_*, and every *_fused_* line).
   bool gemv_rope = false;
+  /// Decode attention splits a row once longer than this many positions, each split keeping at
+  /// least as many (kernels::cuda::attention_scratch::kv_per_split; at most
+  /// cuda_options::attention_splits splits). troupe_gpu_bench's decode_b1_attn_kv* lines try others.
+  int attention_kv_per_split = 64;
 };
 
 struct cuda_options {

@@ -27,7 +27,7 @@
 //   gemv_bf16_streamed, *_nopdl_* with launch_options::pdl off, *_fused_* with gemv_swiglu,
 //   gemv_rope and attention_last_cta_merge on (decode_b1_merge_only_*, decode_b1_rope_only_*: one
 //   of them alone), *_fold_* with gemv_fold_norm on, *_prefetch_Nk_* with
-//   launch_options::bf16_gemv_prefetch_bytes N KiB;
+//   launch_options::bf16_gemv_prefetch_bytes N KiB, *_attn_kvN_* with attention_kv_per_split N;
 //   decode_b1_gemv[_pdl]_gemm_*: the GEMVs alone as the GEMMs above, launched plainly or with
 //   programmatic dependent launch. Batch-1 variants are the best of three 20-step means
 //   (decode_b1_default_*: the default options measured so); decode_b1_best_time_over_roofline:
@@ -398,6 +398,13 @@ void run(const args& a) {
     rope_only.gemv_rope = true;
     run_variant(1, "_rope_only", rope_only);
     run_variant(64, "_fused", fused(options(o.launch.bf16_gemv_rows, true)));
+    // Decode attention's split size (positions a split keeps at least; 64 by default).
+    for (const int kv : {32, 128}) {
+      ec::launch_options l = options(1, true);
+      l.attention_kv_per_split = kv;
+      run_variant(1, ("_attn_kv" + std::to_string(kv)).c_str(), l);
+      run_variant(1, ("_fold_fused_attn_kv" + std::to_string(kv)).c_str(), folded(fused(l)));
+    }
     // RMSNorm and the residual add in the GEMVs, alone and with the fused launches.
     f->set_launch_options(folded(options(1, true)));
     line("decode_b1_fold_applies", f->fold_norm(1) ? 1.0 : 0.0, "bool");

@@ -32,25 +32,24 @@ constexpr int pf_threads = pf_warps * 32;
 constexpr int pf_tile_m = pf_warps * 16;
 constexpr int pf_tile_n = 64;
 
-// Decode: split KV once a row is longer than dec_split_min_kv; each split keeps at least
-// ~dec_kv_per_split positions (two passes of the CTA's 32 positions in flight), and splits stop
-// growing once the grid has about dec_target_waves full waves of resident CTAs (so the last,
-// partial wave is a small part of the time: 512 CTAs on 132 SMs x 3 resident are 1.3 waves, half
-// of it at a third of the GPU). Small batches need the
-// splits most: one sequence of Llama-3-8B gives 8 CTAs, whose 512-position rows took 53 us per
-// layer on an H200 unsplit (a dependent load chain per pass, latency-bound), see docs/perf.md.
+// Decode: split KV once a row is longer than attention_scratch::kv_per_split positions (64 by
+// default: two passes of the CTA's 32 positions in flight); each split keeps at least that many,
+// and splits stop growing once the grid has about dec_target_waves full waves of resident CTAs
+// (so the last, partial wave is a small part of the time: 512 CTAs on 132 SMs x 3 resident are
+// 1.3 waves, half of it at a third of the GPU). Small batches need the splits most: one sequence
+// of Llama-3-8B gives 8 CTAs, whose 512-position rows took 53 us per layer on an H200 unsplit (a
+// dependent load chain per pass, latency-bound), see docs/perf.md.
 constexpr int dec_threads = 128;
-constexpr int dec_split_min_kv = 64;
-constexpr int dec_kv_per_split = 64;
 constexpr int dec_target_waves = 4;
 constexpr int dec_max_heads = 8;  // query heads per decode CTA (a larger GQA group takes more CTAs)
 constexpr int dec_stages = 2;     // cp.async stages of a decode CTA's K/V chunks
 
-// Splits for a decode row with kv_len positions when at most cap are allowed. Host and device
-// must agree (the merge kernel recomputes it), hence one function.
-__host__ __device__ inline int decode_splits(int kv_len, int cap) {
-  if (cap <= 1 || kv_len <= dec_split_min_kv) return 1;
-  const int n = (kv_len + dec_kv_per_split - 1) / dec_kv_per_split;
+// Splits for a decode row with kv_len positions, at least per_split positions each, when at
+// most cap are allowed. Host and device must agree (the merge kernel recomputes it), hence one
+// function.
+__host__ __device__ inline int decode_splits(int kv_len, int cap, int per_split) {
+  if (cap <= 1 || kv_len <= per_split) return 1;
+  const int n = (kv_len + per_split - 1) / per_split;
   return n < cap ? n : cap;
 }
 
@@ -352,8 +351,9 @@ __device__ __forceinline__ float merge_splits(const float* part_out, const float
 template <int HD, int GT>
 __global__ void __launch_bounds__(dec_threads)
     decode_kernel(const bf16* __restrict__ q, step_layout st, kv_cache_view kv, int layer, int n_heads,
-                  float scale_log2, int n_split_max, bf16* __restrict__ out, float* __restrict__ part_out,
-                  float* __restrict__ part_ml, int max_splits, unsigned* __restrict__ counters) {
+                  float scale_log2, int n_split_max, int kv_per_split, bf16* __restrict__ out,
+                  float* __restrict__ part_out, float* __restrict__ part_ml, int max_splits,
+                  unsigned* __restrict__ counters) {
   constexpr int lpp = HD / 8;               // lanes per position
   constexpr int subs = dec_threads / lpp;   // positions in flight across the CTA per step
   constexpr int unroll = GT >= 8 ? 2 : 4;   // positions per lane group per step (loads in flight)
@@ -380,7 +380,7 @@ __global__ void __launch_bounds__(dec_threads)
   const int tok = st.q_start[seq];
   if (st.q_start[seq + 1] - tok != 1) return;  // prefill rows belong to prefill_kernel
   const int kv_len = st.pos0[seq] + 1;
-  const int n_split = decode_splits(kv_len, n_split_max);
+  const int n_split = decode_splits(kv_len, n_split_max, kv_per_split);
   const int split = blockIdx.z;
   if (split >= n_split) return;
   const int per_split = (kv_len + n_split - 1) / n_split;
@@ -545,14 +545,14 @@ __global__ void __launch_bounds__(dec_threads)
 // Grid (n_seqs, n_heads), HD threads: combines the splits of one decode row and head.
 template <int HD>
 __global__ void __launch_bounds__(HD)
-    merge_kernel(step_layout st, int n_heads, int n_split_max, const float* __restrict__ part_out,
+    merge_kernel(step_layout st, int n_heads, int n_split_max, int kv_per_split, const float* __restrict__ part_out,
                  const float* __restrict__ part_ml, int max_splits, bf16* __restrict__ out) {
   pdl_launch_dependents();
   pdl_wait();
   const int seq = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
   const int tok = st.q_start[seq];
   if (st.q_start[seq + 1] - tok != 1) return;
-  const int n_split = decode_splits(st.pos0[seq] + 1, n_split_max);
+  const int n_split = decode_splits(st.pos0[seq] + 1, n_split_max, kv_per_split);
   if (n_split <= 1) return;  // decode_kernel wrote this row itself
   const int64_t row_head = (int64_t)tok * n_heads + head;
   out[row_head * HD + d] = __float2bfloat16_rn(merge_splits<HD>(part_out, part_ml, row_head * max_splits, n_split, d));
@@ -600,14 +600,14 @@ void launch_decode(const bf16* q, const step_layout& st, const kv_cache_view& kv
   const int base_ctas = st.n_seqs * kv.n_kv_heads * head_chunks;
   const int target = dec_target_waves * decode_wave<HD, GT>();
   const int cap = std::min(scratch.max_splits, std::max(1, (target + base_ctas - 1) / base_ctas));
-  const int n_split_max = decode_splits(st.max_kv_len, cap);
+  const int n_split_max = decode_splits(st.max_kv_len, cap, scratch.kv_per_split);
   const dim3 grid(st.n_seqs, kv.n_kv_heads * head_chunks, n_split_max);
-  launch(decode_kernel<HD, GT>, grid, dec_threads, 0, stream, q, st, kv, layer, n_heads, scale_log2, n_split_max, out,
-         scratch.partial_out, scratch.partial_ml, scratch.max_splits, scratch.counters);
+  launch(decode_kernel<HD, GT>, grid, dec_threads, 0, stream, q, st, kv, layer, n_heads, scale_log2, n_split_max,
+         scratch.kv_per_split, out, scratch.partial_out, scratch.partial_ml, scratch.max_splits, scratch.counters);
   check_launch("paged_attention decode_kernel");
   if (n_split_max > 1 && scratch.counters == nullptr) {
-    launch(merge_kernel<HD>, dim3(st.n_seqs, n_heads), HD, 0, stream, st, n_heads, n_split_max, scratch.partial_out,
-           scratch.partial_ml, scratch.max_splits, out);
+    launch(merge_kernel<HD>, dim3(st.n_seqs, n_heads), HD, 0, stream, st, n_heads, n_split_max, scratch.kv_per_split,
+           scratch.partial_out, scratch.partial_ml, scratch.max_splits, out);
     check_launch("paged_attention merge_kernel");
   }
 }
@@ -653,6 +653,7 @@ void paged_attention(const bf16* q, const step_layout& st, const kv_cache_view& 
     throw cuda_error("paged_attention: max_splits > 1 needs scratch buffers");
   if (scratch.counters != nullptr && scratch.max_splits <= 1)
     throw cuda_error("paged_attention: counters without split-KV scratch (max_splits > 1)");
+  if (scratch.max_splits > 1 && scratch.kv_per_split < 1) throw cuda_error("paged_attention: kv_per_split must be >= 1");
   if (st.n_seqs <= 0 || st.n_tokens <= 0) return;
   const float scale_log2 = scale * log2e;
   if (hd == 64)

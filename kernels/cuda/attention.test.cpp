@@ -36,6 +36,7 @@ struct attn_case {
   int extra_q_len = 0;   // added to max_q_len / max_kv_len: the launcher must accept upper bounds
   int extra_kv_len = 0;
   int block_size = 16;
+  int kv_per_split = 64;  // attention_scratch::kv_per_split
 };
 
 // Mixed prefill and decode: q_len 37 / 130 / 2 / 3 (130 > 2 tiles), a continued prefix at
@@ -177,6 +178,7 @@ attn_result run_step(const attn_case& c, uint64_t seed, bool fused_merge) {
     sc.partial_out = d_scratch.p;
     sc.partial_ml = d_scratch.p + (size_t)n_tokens * c.n_heads * c.max_splits * hd;
     sc.max_splits = c.max_splits;
+    sc.kv_per_split = c.kv_per_split;
   }
   dev_buf<unsigned> d_counters(attention_counters(n_tokens, c.n_heads));
   check(cudaMemset(d_counters.p, 0, d_counters.bytes()), "cudaMemset");
@@ -223,7 +225,14 @@ TEST_CASE("paged_attention decode-only batch splits long rows", "[cuda]") {
   const uint64_t seed = fresh_seed();
   INFO("head_dim " << head_dim << " seed " << seed);
   attn_case c{32, 8, head_dim, 16, {{0, 1}, {512, 1}, {513, 1}, {1023, 1}, {4095, 1}, {77, 1}, {2500, 1}}};
+  // Splits of at least 64 positions (the default), 32 (one pass of a CTA), 7 (a ragged pass) and
+  // 128: rows of 17 to 4096 positions split 1 to 16 ways.
+  c.seqs.push_back({16, 1});
+  c.kv_per_split = GENERATE(64, 32, 7, 128);
+  INFO("kv_per_split " << c.kv_per_split);
   CHECK(run_case(c, seed) <= 2e-2);
+  const attn_result kernel = run_step(c, seed, false), fused = run_step(c, seed, true);
+  CHECK(fused.bits == kernel.bits);  // the last-CTA merge at every split size
 }
 
 TEST_CASE("paged_attention's last-CTA merge equals merge_kernel bit for bit and resets its counters", "[cuda]") {
@@ -290,4 +299,9 @@ TEST_CASE("paged_attention rejects unsupported shapes", "[cuda]") {
   unsigned counter = 0;
   counted.counters = &counter;  // counters without split scratch
   CHECK_THROWS_AS(paged_attention(nullptr, st, kv, 0, 4, 1.0f, nullptr, counted, nullptr), cuda_error);
+  attention_scratch no_split_size;
+  float dummy[2];
+  no_split_size.partial_out = no_split_size.partial_ml = dummy, no_split_size.max_splits = 16;
+  no_split_size.kv_per_split = 0;
+  CHECK_THROWS_AS(paged_attention(nullptr, st, kv, 0, 4, 1.0f, nullptr, no_split_size, nullptr), cuda_error);
 }

@@ -146,6 +146,9 @@ struct attention_scratch {
   /// call; every call leaves them at zero again (so graphs may replay it). Not shared between
   /// calls that may run at the same time.
   unsigned* counters = nullptr;
+  /// A decode row splits once longer than this many positions, each split keeping at least as
+  /// many (up to max_splits and a few waves of CTAs).
+  int kv_per_split = 64;
 };
 /// Bytes of scratch needed for n_tokens rows with up to max_splits splits.
 size_t attention_scratch_bytes(int n_tokens, int n_heads, int head_dim, int max_splits);
