@@ -351,31 +351,11 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_swiglu_kernel(const
   }
 }
 
-// Where rope_qkv_store's work lands in the fused qkv GEMV: (q_dim + 2 kv_dim) / 2 work items a
-// token row: item j of each Q and K head h (columns a, b: rope_pair), then V's columns two by two.
-struct qkv_item {
-  int h, j, a, b;  // h == -1: V columns 2j, 2j + 1
-  __device__ qkv_item(const rope_params& rp, int p) {
-    const int half_hd = rp.head_dim / 2, qk_items = (rp.n_heads + rp.n_kv_heads) * half_hd;
-    if (p < qk_items) {
-      h = p / half_hd, j = p % half_hd;
-      rope_pair(rp, j, a, b);
-    } else {
-      h = -1, j = p - qk_items, a = 2 * j, b = a + 1;
-    }
-  }
-  // Rows of the fused QKV matrix holding columns a and b.
-  __device__ int64_t row(const rope_params& rp, bool second) const {
-    const int q_dim = rp.n_heads * rp.head_dim, kv_dim = rp.n_kv_heads * rp.head_dim;
-    return (h < 0 ? q_dim + kv_dim : h * rp.head_dim) + (second ? b : a);
-  }
-};
-
 // The qkv GEMV with bias, RoPE and the KV-cache write on its own outputs: CTA c computes work
-// items 2c and 2c + 1 (qkv_item), a warp per column (the same per-row sums as gemv_bf16_kernel,
-// rounded to bf16 as it stores them), then finishes each item as rope_qkv_store does (rope.cuh):
-// the same Q and cache bits as gemv_bf16 then rope_qkv_store, without the qkv round trip or a
-// launch. Batch row t is token row t of st.
+// items 2c and 2c + 1 (qkv_item, qkv_items.hpp), a warp per column (the same per-row sums as
+// gemv_bf16_kernel, rounded to bf16 as it stores them), then finishes each item as
+// rope_qkv_store does (rope.cuh): the same Q and cache bits as gemv_bf16 then rope_qkv_store,
+// without the qkv round trip or a launch. Batch row t is token row t of st.
 template <int B, bool Reader>
 __global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_rope_kernel(const bf16* __restrict__ w, int64_t n_in,
                                                                          const bf16* __restrict__ x, qkv_rope_args r,
@@ -385,16 +365,19 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_rope_kernel(const b
   pdl_launch_dependents();
   const rope_params& rp = r.rope;
   const int warp = threadIdx.x >> 5;
-  const int n_items = (rp.n_heads + 2 * rp.n_kv_heads) * rp.head_dim / 2;
+  const int n_items = qkv_item_count(rp.n_heads, rp.n_kv_heads, rp.head_dim);
+  const bool neox = rp.kind == rope_kind::neox;
+  const auto item = [&](int p) { return qkv_item(rp.n_heads, rp.n_kv_heads, rp.head_dim, rp.n_rot, neox, p); };
   const int p = blockIdx.x * 2 + (warp >> 1);
   // The last CTA of an odd item count has one.
-  gemv_bf16_cta_dots<B, Reader>(p < n_items ? w + qkv_item(rp, p).row(rp, warp & 1) * n_in : nullptr, n_in, x, norm,
-                                prefetch_bytes, sums);
+  gemv_bf16_cta_dots<B, Reader>(
+      p < n_items ? w + item(p).row(rp.n_heads, rp.n_kv_heads, rp.head_dim, warp & 1) * n_in : nullptr, n_in, x, norm,
+      prefetch_bytes, sums);
   if (threadIdx.x >= 2 * B) return;
   const int local = threadIdx.x & 1, t = threadIdx.x >> 1;
   const int pp = blockIdx.x * 2 + local;
   if (pp >= n_items) return;
-  const qkv_item it(rp, pp);
+  const qkv_item it = item(pp);
   const float x0 = __bfloat162float(__float2bfloat16_rn(sums[2 * local][t]));
   const float x1 = __bfloat162float(__float2bfloat16_rn(sums[2 * local + 1][t]));
   fp16* k_slot = kv_slot(r.st, r.kv, t, r.layer);
@@ -511,8 +494,7 @@ void gemv_bf16_rope_qkv(const bf16* w, int64_t n_in, const bf16* x, const qkv_ro
     throw cuda_error("gemv_bf16_rope_qkv: n_rot and head_dim must be even with n_rot <= head_dim, heads > 0");
   if (norm.residual || norm.norm_w || norm.sumsq_out) throw cuda_error("gemv_bf16_rope_qkv: a norm reader only");
   if (n_in <= 0) return;
-  const int64_t n_items = int64_t(rp.n_heads + 2 * rp.n_kv_heads) * rp.head_dim / 2;
-  const auto blocks = unsigned((n_items + 1) / 2);
+  const auto blocks = unsigned((qkv_item_count(rp.n_heads, rp.n_kv_heads, rp.head_dim) + 1) / 2);
   with_batch(batch, [&](auto b) {
     constexpr int B = decltype(b)::value;
     auto kernel = norm.sumsq_in ? gemv_bf16_rope_kernel<B, true> : gemv_bf16_rope_kernel<B, false>;

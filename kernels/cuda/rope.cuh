@@ -8,16 +8,13 @@
 #include <cstdint>
 
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/qkv_items.hpp"
 
 namespace troupe::kernels::cuda {
 
-/// Head columns a, b of work item j (< head_dim / 2): RoPE's pair for j < n_rot / 2 (adjacent
-/// dims, or n_rot / 2 apart for neox), else two unrotated dims of [n_rot, head_dim).
+/// rope_pair_cols for rp (qkv_items.hpp).
 __device__ __forceinline__ void rope_pair(const rope_params& rp, int j, int& a, int& b) {
-  const int half_rot = rp.n_rot / 2;
-  const bool neox = rp.kind == rope_kind::neox;
-  a = j < half_rot ? (neox ? j : 2 * j) : rp.n_rot + 2 * (j - half_rot);
-  b = j < half_rot ? (neox ? j + half_rot : 2 * j + 1) : a + 1;
+  rope_pair_cols(rp.n_rot, rp.kind == rope_kind::neox, j, a, b);
 }
 
 /// cos and sin of pair i's angle at position pos. Double precision, as kernels::rope_cos_sin:
