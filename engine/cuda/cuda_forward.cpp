@@ -588,7 +588,7 @@ void cuda_forward::launch(const plan& p) {
 void cuda_forward::finish_step(const char* what) {
   kc::check(cudaEventRecord(step_end_.get(), compute_.get()), "cudaEventRecord");
   kc::check(cudaEventRecord(step_done_.get(), compute_.get()), "cudaEventRecord");
-  wait_event(step_done_.get(), opt_.sync_timeout, what);
+  wait_event(step_done_.get(), opt_.sync_timeout, what, std::max(opt_.launch.step_spin, std::chrono::milliseconds(1)));
 }
 
 double cuda_forward::last_step_device_ms() const {

@@ -96,6 +96,11 @@ struct launch_options {
   /// least as many (kernels::cuda::attention_scratch::kv_per_split; at most
   /// cuda_options::attention_splits splits). troupe_gpu_bench's decode_b1_attn_kv* lines try others.
   int attention_kv_per_split = 64;
+  /// The host's wait for a step polls without sleeping for this long (then sleeps 20 us between
+  /// polls, which overshoots by tens of microseconds): decode steps of a few ms end inside it.
+  /// 0: sleep from the first millisecond, as before this option (troupe_gpu_bench's
+  /// decode_b1_sleep_wait_* measures that).
+  std::chrono::milliseconds step_spin{50};
 };
 
 struct cuda_options {

@@ -90,7 +90,7 @@ event_handle::~event_handle() {
   if (e_) cudaEventDestroy(e_);
 }
 
-void wait_event(cudaEvent_t ev, std::chrono::milliseconds timeout, const char* what) {
+void wait_event(cudaEvent_t ev, std::chrono::milliseconds timeout, const char* what, std::chrono::milliseconds spin) {
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
   for (;;) {
@@ -104,7 +104,10 @@ void wait_event(cudaEvent_t ev, std::chrono::milliseconds timeout, const char* w
     if (waited > timeout)
       throw kc::cuda_error(std::string(what) + ": the device did not finish within " + std::to_string(timeout.count()) +
                            " ms (a hung kernel?)");
-    if (waited > std::chrono::milliseconds(1)) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    if (waited > spin)
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    else
+      std::this_thread::yield();
   }
 }
 

@@ -94,8 +94,11 @@ class event_handle {
 
 /// Returns when `ev` has completed. Throws cuda_error naming `what` when the work behind it
 /// failed, or when it has not completed within `timeout` (a hung kernel never hangs the host).
-/// Spins for the first millisecond, then polls every 20 us.
-void wait_event(cudaEvent_t ev, std::chrono::milliseconds timeout, const char* what);
+/// Polls without sleeping (yielding the core) for the first `spin`, then sleeps 20 us between
+/// polls: a sleep overshoots by tens of microseconds, which a decode step that waits would add
+/// to its time.
+void wait_event(cudaEvent_t ev, std::chrono::milliseconds timeout, const char* what,
+                std::chrono::milliseconds spin = std::chrono::milliseconds(1));
 
 /// Records an event on `s` and waits for it as wait_event does.
 void sync_stream(cudaStream_t s, cudaEvent_t scratch_event, std::chrono::milliseconds timeout, const char* what);

@@ -27,7 +27,8 @@
 //   gemv_bf16_streamed, *_nopdl_* with launch_options::pdl off, *_fused_* with gemv_swiglu,
 //   gemv_rope and attention_last_cta_merge on (decode_b1_merge_only_*, decode_b1_rope_only_*: one
 //   of them alone), *_fold_* with gemv_fold_norm on, *_prefetch_Nk_* with
-//   launch_options::bf16_gemv_prefetch_bytes N KiB, *_attn_kvN_* with attention_kv_per_split N;
+//   launch_options::bf16_gemv_prefetch_bytes N KiB, *_attn_kvN_* with attention_kv_per_split N,
+//   decode_b1_sleep_wait_* with step_spin 0 (the host's wait sleeping after 1 ms, as before);
 //   decode_b1_gemv[_pdl]_gemm_*: the GEMVs alone as the GEMMs above, launched plainly or with
 //   programmatic dependent launch. Batch-1 variants are the best of three 20-step means
 //   (decode_b1_default_*: the default options measured so); decode_b1_best_time_over_roofline:
@@ -390,6 +391,9 @@ void run(const args& a) {
     // Last, so that a fault in them costs none of the figures above.
     // SwiGLU in the gate|up GEMV, RoPE in the qkv GEMV and the last-CTA attention merge.
     run_variant(1, "_default", o.launch);  // measured as the variants below
+    ec::launch_options sleep_wait = o.launch;  // the host's wait sleeping after 1 ms, as before step_spin
+    sleep_wait.step_spin = std::chrono::milliseconds(0);
+    run_variant(1, "_sleep_wait", sleep_wait);
     run_variant(1, "_fused", fused(options(1, true)));
     ec::launch_options merge_only = options(1, true);
     merge_only.attention_last_cta_merge = true;
