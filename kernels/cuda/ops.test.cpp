@@ -1,10 +1,12 @@
 // The element-wise CUDA kernels and the fused RoPE + KV write against the CPU references
 // (kernels/ops.hpp, kernels/fp16.hpp): fresh random inputs, poisoned outputs, row lengths that
-// are not multiples of the vector width (scalar paths) as well as ones that are.
+// are not multiples of the vector width (scalar paths) as well as ones that are; the qkv GEMV
+// that applies RoPE itself against gemv_bf16 then rope_qkv_store.
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
