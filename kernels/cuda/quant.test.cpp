@@ -1,6 +1,7 @@
 // Quantized GEMV and block expansion against kernels::dequantize_row: random GGUF blocks (random
 // quants and scale bytes, finite scales), batches 1..8, row counts that do not fill the last
-// thread block.
+// thread block. The bf16 GEMVs against the host, and their fused forms (SwiGLU, the folded
+// residual add + RMSNorm) against the unfused kernels.
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
