@@ -105,6 +105,8 @@ struct engine_options {
   int32_t n_host_blocks = 0;    // swap space; 0: as many as device blocks
   int64_t max_kv_bytes = 256LL << 20;
   int cuda_device = -1;          // the executor's device: -1 the CPU, else a CUDA device (a build with CUDA)
+  bool cuda_graphs = true;       // CUDA: decode steps from CUDA graphs (config::engine_config)
+  bool cuda_fused_decode = false;  // CUDA: the fused decode launches (config::engine_config)
   int tensor_parallel = 1;       // CPU: the forward split over this many ranks (heads, feed-forward columns)
   int pipeline_parallel = 1;     // CPU: the layers split over this many stages (micro-batches flow through)
   int expert_parallel = 1;       // CPU: a mixture of experts' experts split over this many ranks

@@ -141,6 +141,8 @@ class cuda_backend final : public backend {
     o.max_seqs = c.max_seqs;
     o.max_context = (int)std::min<int64_t>(c.max_context, INT32_MAX);
     o.max_logit_rows = c.max_seqs;
+    o.graphs = c.cuda_graphs;
+    o.fused_decode = c.cuda_fused_decode;
     return o;
   }
   std::unique_ptr<engine::device_forward> fwd_;

@@ -102,6 +102,8 @@ struct executor_config {
   int64_t max_context = 8192;
   std::string fail_start;  // tests: when not empty, building the backend throws this
   bool emulate_device_sampling = false;  // tests: the CPU backend takes the device-sampling path
+  bool cuda_graphs = true;         // CUDA: decode steps from CUDA graphs
+  bool cuda_fused_decode = false;  // CUDA: the fused decode launches
 };
 
 /// Payload of the shared stats reply.

@@ -21,6 +21,11 @@ struct engine_config {
   // (llama.cpp's --swa-full); else only their window's (the serve path's paged KV cache).
   bool swa_full = false;
   std::string device = "cpu";  // the executor's device: "cpu", or "cuda" / "cuda:N" (builds with CUDA)
+  // Device "cuda" only: decode steps replayed from CUDA graphs (false: launched eagerly each
+  // step, as vLLM's --enforce-eager), and the fused decode launches (engine::cuda::launch_options:
+  // the GEMVs with SwiGLU, RoPE and the RMSNorm fold, the last-CTA attention merge).
+  bool cuda_graphs = true;
+  bool cuda_fused_decode = false;
 };
 
 /// "cpu" -> -1; "cuda" -> 0; "cuda:N" -> N. Throws std::invalid_argument for anything else.

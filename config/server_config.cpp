@@ -53,6 +53,15 @@ auto engine_int_key(T engine_config::*field) {
   };
 }
 
+auto engine_bool_key(bool engine_config::*field) {
+  return [field](const toml::node& n, server_config& c) -> std::string {
+    const auto v = n.value_exact<bool>();
+    if (!v) return "expected a boolean, got " + type_name(n);
+    c.engine.*field = *v;
+    return {};
+  };
+}
+
 auto double_key(double server_config::*field) {
   return [field](const toml::node& n, server_config& c) -> std::string {
     if (!n.is_number()) return "expected a number, got " + type_name(n);
@@ -130,13 +139,7 @@ const std::vector<key_spec>& keys() {
       {"engine", "pipeline_parallel", engine_int_key(&engine_config::pipeline_parallel)},
       {"engine", "expert_parallel", engine_int_key(&engine_config::expert_parallel)},
       {"engine", "kv_mb", int_key(&server_config::kv_mb)},
-      {"engine", "swa_full",
-       [](const toml::node& n, server_config& c) -> std::string {
-         const auto v = n.value_exact<bool>();
-         if (!v) return "expected a boolean, got " + type_name(n);
-         c.engine.swa_full = *v;
-         return {};
-       }},
+      {"engine", "swa_full", engine_bool_key(&engine_config::swa_full)},
       {"engine", "chat_template", string_key(&server_config::chat_template)},
       {"engine", "device",
        [](const toml::node& n, server_config& c) -> std::string {
@@ -145,6 +148,8 @@ const std::vector<key_spec>& keys() {
          c.engine.device = *v;
          return {};
        }},
+      {"engine", "cuda_graphs", engine_bool_key(&engine_config::cuda_graphs)},
+      {"engine", "cuda_fused_decode", engine_bool_key(&engine_config::cuda_fused_decode)},
       {"scheduler", "max_num_seqs", int_key(&server_config::max_num_seqs)},
       {"scheduler", "max_waiting", int_key(&server_config::max_waiting)},
       {"scheduler", "max_waiting_tokens", int_key(&server_config::max_waiting_tokens)},
@@ -384,7 +389,8 @@ std::string describe(const server_config& c) {
     << "model = " << quote(e.model_path) << "\nthreads = " << e.n_threads << "\nctx_size = " << e.n_ctx
     << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\ntensor_parallel = " << e.tensor_parallel << "\npipeline_parallel = " << e.pipeline_parallel << "\nexpert_parallel = " << e.expert_parallel << "\nkv_mb = " << c.kv_mb
     << "\nswa_full = " << (e.swa_full ? "true" : "false")
-    << "\ndevice = " << quote(e.device) << "\nchat_template = " << quote(c.chat_template) << "\n"
+    << "\ndevice = " << quote(e.device) << "\ncuda_graphs = " << (e.cuda_graphs ? "true" : "false")
+    << "\ncuda_fused_decode = " << (e.cuda_fused_decode ? "true" : "false") << "\nchat_template = " << quote(c.chat_template) << "\n"
     << "[scheduler]\n"
     << "max_num_seqs = " << c.max_num_seqs << "\nmax_waiting = " << c.max_waiting << "\nmax_waiting_tokens = " << c.max_waiting_tokens
     << "\nqueue_timeout_s = " << num(c.queue_timeout_s) << "\npreemption = " << quote(c.preemption)

@@ -124,6 +124,7 @@ TEST_CASE("server_config: a value of the wrong type is named with what was expec
   CHECK(contains(parse_error("[server]\nrequest_timeout_s = true\n"), "key 'server.request_timeout_s': expected a number"));
   CHECK(contains(parse_error("[auth]\napi_keys = \"k1\"\n"), "key 'auth.api_keys': expected an array of strings"));
   CHECK(contains(parse_error("[scheduler]\nplan_ahead = 1\n"), "key 'scheduler.plan_ahead': expected a boolean"));
+  CHECK(contains(parse_error("[engine]\ncuda_fused_decode = \"yes\"\n"), "key 'engine.cuda_fused_decode': expected a boolean"));
   CHECK(contains(parse_error("[auth]\napi_keys = [\"k1\", 2]\n"), "key 'auth.api_keys': expected an array of strings, found an integer"));
   CHECK(contains(parse_error("server = 3\n"), "key 'server': expected a table"));
   CHECK(contains(parse_error("[engine]\nthreads = 99999999999\n"), "key 'engine.threads': integer out of range"));
@@ -190,7 +191,9 @@ TEST_CASE("server_config: out-of-range values are named by validate()", "[config
 }
 
 TEST_CASE("server_config: describe() redacts API keys and round-trips through parse_toml", "[config]") {
-  server_config c = parse_toml("[server]\nport = 1234\n[websocket]\nsend_timeout_s = 2.5\n[scheduler]\nplan_ahead = false\ntarget_itl_ms = 45.5\n[auth]\napi_keys = [\"secret-one\", \"secret-two\"]\nadmin_api_keys = [\"adm1n\"]\n");
+  server_config c = parse_toml("[server]\nport = 1234\n[websocket]\nsend_timeout_s = 2.5\n[engine]\ncuda_graphs = false\ncuda_fused_decode = true\n[scheduler]\nplan_ahead = false\ntarget_itl_ms = 45.5\n[auth]\napi_keys = [\"secret-one\", \"secret-two\"]\nadmin_api_keys = [\"adm1n\"]\n");
+  CHECK_FALSE(c.engine.cuda_graphs);
+  CHECK(c.engine.cuda_fused_decode);
   const std::string d = describe(c);
   CHECK_FALSE(contains(d, "secret"));
   CHECK_FALSE(contains(d, "adm1n"));
@@ -199,6 +202,8 @@ TEST_CASE("server_config: describe() redacts API keys and round-trips through pa
   CHECK(back.port == 1234);
   CHECK(back.ws_send_timeout_s == 2.5);
   CHECK_FALSE(back.plan_ahead);
+  CHECK_FALSE(back.engine.cuda_graphs);
+  CHECK(back.engine.cuda_fused_decode);
   CHECK(back.target_itl_ms == 45.5);
   CHECK(back.api_keys.size() == 2);
 }

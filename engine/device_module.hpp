@@ -33,6 +33,8 @@ struct device_forward_options {
   int32_t n_blocks = 0, n_host_blocks = 0;  // device KV blocks (the scheduler's pool); pinned host blocks
   int block_size = 16;
   int max_batch_tokens = 2048, max_seqs = 256, max_context = 8192, max_logit_rows = 256;
+  bool graphs = true;          // decode steps from CUDA graphs (cuda_options::use_graphs)
+  bool fused_decode = false;   // the fused decode launches (engine::cuda::fused_decode)
 };
 
 /// The module's forward (engine::cuda::cuda_forward behind it; see its header for the contracts).
@@ -60,7 +62,7 @@ std::unique_ptr<device_forward> open_cuda_forward(const model& m, const device_f
 
 /// The module's entry points (C linkage, looked up by name; the version guards against a module
 /// from another build).
-inline constexpr int cuda_module_abi = 1;
+inline constexpr int cuda_module_abi = 2;
 extern "C" {
 using cuda_module_abi_fn = int (*)();
 using cuda_module_device_count_fn = int (*)();

@@ -125,6 +125,11 @@ action add_bench(CLI::App& app) {
                   "serving benchmark: N concurrent closed-loop streams through the actor runtime (0: engine only)");
   cmd->add_option("--requests", o->requests, "requests in the serving benchmark (default 4 x concurrency)");
   cmd->add_option("--device", o->engine.device, "serving benchmark: executor device (cpu, cuda, cuda:N)")->capture_default_str();
+  cmd->add_option("--cuda-graphs", o->engine.cuda_graphs, "serving benchmark, device cuda: decode steps from CUDA graphs (true/false)")
+      ->capture_default_str();
+  cmd->add_option("--cuda-fused-decode", o->engine.cuda_fused_decode,
+                  "serving benchmark, device cuda: the fused decode launches (true/false)")
+      ->capture_default_str();
   cmd->add_option("--target-itl-ms", o->target_itl_ms, "serving benchmark: the scheduler's inter-token latency target (0: off)")
       ->capture_default_str();
   cmd->add_flag("--no-plan-ahead", o->no_plan_ahead, "serving benchmark: one step in flight (no pipelining), for comparison");

@@ -74,6 +74,8 @@ int run_load_bench(const load_opts& o) {
   eo.kv_block_size = ec.kv_block_size;
   eo.kv_window_groups = !ec.swa_full;
   eo.cuda_device = config::parse_device(ec.device);
+  eo.cuda_graphs = ec.cuda_graphs;
+  eo.cuda_fused_decode = ec.cuda_fused_decode;
   eo.pipeline_parallel = ec.pipeline_parallel;
   // Room for every sequence at once with every layer's KV: with sliding-window groups, as many
   // blocks per group (the same memory; a block holds a group's layers).

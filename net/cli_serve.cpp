@@ -50,7 +50,8 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       field("--ws-send-timeout-s", &c::ws_send_timeout_s), field("--ws-max-generations", &c::ws_max_generations),
       field("--ws-idle-timeout-s", &c::ws_idle_timeout_s), field("--ws-send-buffer-bytes", &c::ws_send_buffer_bytes),
       engine_field("--model", &e::model_path), engine_field("--threads", &e::n_threads), engine_field("--ctx-size", &e::n_ctx),
-      engine_field("--kv-block-size", &e::kv_block_size), engine_field("--batch-size", &e::n_batch), engine_field("--device", &e::device), engine_field("--tensor-parallel", &e::tensor_parallel),
+      engine_field("--kv-block-size", &e::kv_block_size), engine_field("--batch-size", &e::n_batch), engine_field("--device", &e::device), engine_field("--cuda-graphs", &e::cuda_graphs),
+      engine_field("--cuda-fused-decode", &e::cuda_fused_decode), engine_field("--tensor-parallel", &e::tensor_parallel),
       engine_field("--pipeline-parallel", &e::pipeline_parallel), engine_field("--expert-parallel", &e::expert_parallel), engine_field("--swa-full", &e::swa_full), field("--kv-mb", &c::kv_mb),
       field("--max-num-seqs", &c::max_num_seqs), field("--max-waiting", &c::max_waiting),
       field("--max-waiting-tokens", &c::max_waiting_tokens), field("--queue-timeout-s", &c::queue_timeout_s),
@@ -114,6 +115,8 @@ int run_serve(serve_opts& o) {
   eo.model_path = ec.model_path;
   eo.n_threads = ec.n_threads;
   eo.cuda_device = config::parse_device(ec.device);
+  eo.cuda_graphs = ec.cuda_graphs;
+  eo.cuda_fused_decode = ec.cuda_fused_decode;
   eo.tensor_parallel = ec.tensor_parallel;
   eo.pipeline_parallel = ec.pipeline_parallel;
   eo.expert_parallel = ec.expert_parallel;
@@ -238,6 +241,11 @@ action add_serve(CLI::App& app) {
   cmd->add_option("--port", f.port, "TCP port (0: any free port)")->capture_default_str();
   cmd->add_option("--kv-mb", f.kv_mb, "device KV cache size in MiB")->capture_default_str();
   cmd->add_option("--device", f.engine.device, "executor device: cpu, cuda or cuda:N (a build with CUDA)")->capture_default_str();
+  cmd->add_option("--cuda-graphs", f.engine.cuda_graphs, "device cuda: decode steps from CUDA graphs (false: eager launches) (true/false)")
+      ->capture_default_str();
+  cmd->add_option("--cuda-fused-decode", f.engine.cuda_fused_decode,
+                  "device cuda: fused decode launches (GEMVs with SwiGLU, RoPE, RMSNorm; last-CTA attention merge) (true/false)")
+      ->capture_default_str();
   cmd->add_option("--max-num-seqs", f.max_num_seqs, "sequences decoded together at most")->capture_default_str();
   cmd->add_option("--max-waiting", f.max_waiting, "waiting requests at most (429 beyond)")->capture_default_str();
   cmd->add_option("--max-waiting-tokens", f.max_waiting_tokens, "prompt tokens of the waiting requests at most (429 beyond)")->capture_default_str();

@@ -103,6 +103,13 @@ struct launch_options {
   std::chrono::milliseconds step_spin{50};
 };
 
+/// l with every fused decode launch on: gemv_swiglu, gemv_rope, attention_last_cta_merge and
+/// gemv_fold_norm (config: engine.cuda_fused_decode).
+inline launch_options fused_decode(launch_options l) {
+  l.gemv_swiglu = l.gemv_rope = l.attention_last_cta_merge = l.gemv_fold_norm = true;
+  return l;
+}
+
 struct cuda_options {
   int device = 0;
   weight_options weights;

@@ -49,6 +49,8 @@ __attribute__((visibility("default"))) troupe::engine::device_forward* troupe_cu
   c.max_seqs = o->max_seqs;
   c.max_context = o->max_context;
   c.max_logit_rows = o->max_logit_rows;
+  c.use_graphs = o->graphs;
+  if (o->fused_decode) c.launch = troupe::engine::cuda::fused_decode(c.launch);
   return new troupe::engine::cuda::module_forward(*m, c);
 }
 }

@@ -109,6 +109,19 @@ def test_serve_device_refused_at_start():
     assert last.startswith("troupe: error: ") and ("no CUDA device 0" in last or "no CUDA backend" in last), last
 
 
+def test_serve_cuda_flags_reach_the_effective_config():
+    """--cuda-graphs and --cuda-fused-decode land in the effective configuration `serve` prints
+    (engine.cuda_graphs, engine.cuda_fused_decode); a value that is not a boolean is refused."""
+    # A KV cache beyond the machine's memory stops `serve` right after it prints the configuration.
+    r = run("serve", "--port", "0", "--kv-mb", "16000000", "--cuda-graphs", "false", "--cuda-fused-decode", "true")
+    assert r.returncode == 1, r.stderr
+    assert "\ncuda_graphs = false\n" in r.stderr and "\ncuda_fused_decode = true\n" in r.stderr, r.stderr
+    r = run("serve", "--port", "0", "--kv-mb", "16000000")
+    assert "\ncuda_graphs = true\n" in r.stderr and "\ncuda_fused_decode = false\n" in r.stderr, r.stderr
+    r = run("serve", "--port", "0", "--cuda-fused-decode", "maybe")
+    assert r.returncode != 0 and "--cuda-fused-decode" in r.stderr, r.stderr
+
+
 def test_serve_kv_beyond_memory_refused_at_start():
     """A KV cache larger than the machine's memory stops `serve` at once with one error line,
     before anything is allocated (not a server whose executor dies allocating it)."""

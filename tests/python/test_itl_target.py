@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(not (pathlib.Path(TROUPE).exists() and MODEL.exi
                                 reason="needs build/troupe and models/default.gguf")
 
 STORY = "Once upon a time"
+STORY_TOKENS = 400
 LONG = " ".join(f"item {i} is red;" for i in range(60))  # a few hundred prompt tokens
 
 
@@ -38,10 +39,14 @@ def client_for(port):
 
 def test_prompt_arriving_mid_stream_is_spread_and_outputs_unchanged():
     kw = dict(model="default", temperature=0)
+    # The story runs its full length (no end-of-text), long past the ~n_prompt/16 steps the other
+    # prompt needs even when that request reaches the server late on a loaded machine (with 160
+    # tokens it once arrived with only 21 of the story's steps left, under the full parallel suite).
+    story_kw = dict(kw, extra_body={"ignore_eos": True})
     with running_server("--target-itl-ms", "1", "--min-prefill-tokens", "16", "--max-num-seqs", "4") as (port, _):
         client = client_for(port)
         before = capped_steps(port)
-        stream = iter(client.completions.create(prompt=STORY, max_tokens=160, stream=True, **kw))
+        stream = iter(client.completions.create(prompt=STORY, max_tokens=STORY_TOKENS, stream=True, **story_kw))
         parts = [next(stream).choices[0].text]  # the story decodes from here on
         result = {}
         t = threading.Thread(target=lambda: result.update(r=client.completions.create(prompt=LONG, max_tokens=8, **kw)))
@@ -55,13 +60,13 @@ def test_prompt_arriving_mid_stream_is_spread_and_outputs_unchanged():
     with running_server("--max-num-seqs", "4") as (port, _):
         client = client_for(port)
         alone_long = client.completions.create(prompt=LONG, max_tokens=8, **kw)
-        alone_story = client.completions.create(prompt=STORY, max_tokens=160, **kw).choices[0].text
+        alone_story = client.completions.create(prompt=STORY, max_tokens=STORY_TOKENS, **story_kw).choices[0].text
     n_prompt = alone_long.usage.prompt_tokens
     assert n_prompt > 200
     assert "".join(parts) == alone_story
     assert result["r"].choices[0].text == alone_long.choices[0].text
     assert result["r"].usage.prompt_tokens == n_prompt
-    # Its prompt went 16 tokens per step while the story decoded (the story's 160 tokens outlast
+    # Its prompt went 16 tokens per step while the story decoded (the story's STORY_TOKENS outlast
     # the ~n_prompt/16 steps it needs): every such step but the last was cut.
     assert capped >= n_prompt // 16 - 1, (capped, n_prompt)
 
