@@ -8,15 +8,16 @@
 # The device tool carries at most 64 MiB per call, the working tree included, and
 # models/default.gguf (SmolLM2-135M Q4_1) is about 94 MiB. So the carried model is that file cut
 # to its first layers (every tensor byte-identical, llama.block_count lowered, tokenizer intact),
-# as many layers as fit MODEL_BUDGET_MIB (default 48). The model is the same one on the device's
-# CPU and GPU, so the comparison tests are as strict as with all 30 layers, only shallower.
+# as many layers as fit what the rest of the carry and the working tree leave (MODEL_BUDGET_MIB
+# caps it lower; 6 layers on 2026-12-05, the CUDA module having grown). The model is the same one
+# on the device's CPU and GPU, so the comparison tests are as strict as with all 30 layers, only
+# shallower.
 #
 #   scripts/prepare_gpu_carry.sh            then: run(command="scripts/gpu-check", carry=[".gpu-carry"])
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 carry="$root/.gpu-carry"
 prefix="$carry/prefix"
-budget_mib=${MODEL_BUDGET_MIB:-48}
 python=${TROUPE_PYTHON:-$root/.venv/bin/python}
 
 grep -qxF '/.gpu-carry/' "$root/.git/info/exclude" || echo '/.gpu-carry/' >>"$root/.git/info/exclude"
@@ -46,7 +47,45 @@ LD_LIBRARY_PATH="$here/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 EOF
 chmod +x "$prefix/bin/pkg-config"
 
-# The model: a real copy, cut to the layers that fit the budget.
+# The generated models of the CUDA whole-model tests (quantized GEMV, qwen2, f32): the device has
+# no `gguf` package to make them. ~2.7 MB, carried gzipped.
+mkdir -p "$carry/stage/tests/fixtures/generated"
+for preset in llama_q4_k qwen2_q6_k_gqa4 llama_f32_hd64; do
+  "$python" "$root/scripts/gen_tiny_model.py" --preset "$preset" "$carry/stage/tests/fixtures/generated/$preset.gguf" >/dev/null
+done
+tar -C "$carry/stage" -czf "$carry/fixtures.tar.gz" tests
+rm -rf "$carry/stage"
+
+# The serving binary built here (troupe with CAF, Boost and the CUDA backend; the device image
+# has no CAF or Boost to build it there) and the libraries the image lacks, for gpu-check's
+# end-to-end stage (scripts/gpu-e2e.sh): the executor actor on the GPU behind the real scheduler.
+# Off with SERVE_BIN=none; the build must have found nvcc (TROUPE_HAVE_CUDA).
+serve_bin=${SERVE_BIN:-$root/build/troupe}
+if [[ $serve_bin != none ]]; then
+  [[ -x $serve_bin ]] || { echo "no $serve_bin: build first (scripts/test.sh) or set SERVE_BIN=none" >&2; exit 1; }
+  mkdir -p "$carry/stage/bin" "$carry/stage/lib"
+  cp "$serve_bin" "$carry/stage/bin/troupe"
+  # Its CUDA backend, the module it loads from beside itself for --device cuda.
+  module="$(dirname "$serve_bin")/libtroupe_cuda.so"
+  [[ -f $module ]] || { echo "no $module: the build did not find nvcc" >&2; exit 1; }
+  cp "$module" "$carry/stage/bin/"
+  # Every non-system library it links except CUDA's (the image has its own CUDA 13).
+  ldd "$serve_bin" | awk '$3 ~ /^\// {print $3}' |
+    grep -vE '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/cuda/' |
+    while read -r lib; do cp -L "$lib" "$carry/stage/lib/"; done
+  tar -C "$carry/stage" -czf "$carry/serve.tar.gz" bin lib
+  rm -rf "$carry/stage"
+  tar -tzf "$carry/serve.tar.gz" | sed 's/^/serve: /'
+fi
+
+# The model, last: a real copy, cut to the layers that fit what the rest leaves of the 64 MiB
+# (less 1 MiB; MODEL_BUDGET_MIB caps it lower).
+tree=$(git -C "$root" ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+rest=$(du -sb "$carry" | cut -f1)
+fit_mib=$(( (64 * 1048576 - tree - rest) / 1048576 - 1 ))
+budget_mib=${MODEL_BUDGET_MIB:-$fit_mib}
+((budget_mib > fit_mib)) && budget_mib=$fit_mib
+echo "model budget: $budget_mib MiB (the rest of the carry $rest bytes, working tree $tree)"
 src=$(readlink -f "$root/models/default.gguf")
 "$python" - "$src" "$carry/models/default.gguf" "$budget_mib" <<'EOF'
 import re, sys
@@ -84,40 +123,8 @@ w.close()
 print(f"model: {src} cut to {keep} of {n_layer} layers -> {dst}")
 EOF
 
-# The generated models of the CUDA whole-model tests (quantized GEMV, qwen2, f32): the device has
-# no `gguf` package to make them. ~2.7 MB, carried gzipped.
-mkdir -p "$carry/stage/tests/fixtures/generated"
-for preset in llama_q4_k qwen2_q6_k_gqa4 llama_f32_hd64; do
-  "$python" "$root/scripts/gen_tiny_model.py" --preset "$preset" "$carry/stage/tests/fixtures/generated/$preset.gguf" >/dev/null
-done
-tar -C "$carry/stage" -czf "$carry/fixtures.tar.gz" tests
-rm -rf "$carry/stage"
-
-# The serving binary built here (troupe with CAF, Boost and the CUDA backend; the device image
-# has no CAF or Boost to build it there) and the libraries the image lacks, for gpu-check's
-# end-to-end stage (scripts/gpu-e2e.sh): the executor actor on the GPU behind the real scheduler.
-# Off with SERVE_BIN=none; the build must have found nvcc (TROUPE_HAVE_CUDA).
-serve_bin=${SERVE_BIN:-$root/build/troupe}
-if [[ $serve_bin != none ]]; then
-  [[ -x $serve_bin ]] || { echo "no $serve_bin: build first (scripts/test.sh) or set SERVE_BIN=none" >&2; exit 1; }
-  mkdir -p "$carry/stage/bin" "$carry/stage/lib"
-  cp "$serve_bin" "$carry/stage/bin/troupe"
-  # Its CUDA backend, the module it loads from beside itself for --device cuda.
-  module="$(dirname "$serve_bin")/libtroupe_cuda.so"
-  [[ -f $module ]] || { echo "no $module: the build did not find nvcc" >&2; exit 1; }
-  cp "$module" "$carry/stage/bin/"
-  # Every non-system library it links except CUDA's (the image has its own CUDA 13).
-  ldd "$serve_bin" | awk '$3 ~ /^\// {print $3}' |
-    grep -vE '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/cuda/' |
-    while read -r lib; do cp -L "$lib" "$carry/stage/lib/"; done
-  tar -C "$carry/stage" -czf "$carry/serve.tar.gz" bin lib
-  rm -rf "$carry/stage"
-  tar -tzf "$carry/serve.tar.gz" | sed 's/^/serve: /'
-fi
-
 du -sh "$prefix" "$carry/models/default.gguf" "$carry"/*.tar.gz
 total=$(du -sb "$carry" | cut -f1)
-tree=$(git -C "$root" ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
 echo "total: $total bytes ($(du -sh "$carry" | cut -f1)) + working tree $tree; the device tool's limit is 64 MiB for both"
 if ((total + tree > 64 * 1048576)); then
   echo "over the limit: lower MODEL_BUDGET_MIB" >&2
