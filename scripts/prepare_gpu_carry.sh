@@ -9,7 +9,7 @@
 # models/default.gguf (SmolLM2-135M Q4_1) is about 94 MiB. So the carried model is that file cut
 # to its first layers (every tensor byte-identical, llama.block_count lowered, tokenizer intact),
 # as many layers as fit what the rest of the carry and the working tree leave (MODEL_BUDGET_MIB
-# caps it lower; 6 layers on 2026-12-05, the CUDA module having grown). The model is the same one
+# caps it lower; 7 layers on 2026-12-05, the CUDA module having grown). The model is the same one
 # on the device's CPU and GPU, so the comparison tests are as strict as with all 30 layers, only
 # shallower.
 #
@@ -82,16 +82,16 @@ fi
 # (less 1 MiB; MODEL_BUDGET_MIB caps it lower).
 tree=$(git -C "$root" ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
 rest=$(du -sb "$carry" | cut -f1)
-fit_mib=$(( (64 * 1048576 - tree - rest) / 1048576 - 1 ))
-budget_mib=${MODEL_BUDGET_MIB:-$fit_mib}
-((budget_mib > fit_mib)) && budget_mib=$fit_mib
-echo "model budget: $budget_mib MiB (the rest of the carry $rest bytes, working tree $tree)"
+fit_kib=$(( (64 * 1048576 - tree - rest) / 1024 - 1024 ))
+budget_kib=$(( ${MODEL_BUDGET_MIB:-65536} * 1024 ))
+((budget_kib > fit_kib)) && budget_kib=$fit_kib
+echo "model budget: $budget_kib KiB (the rest of the carry $rest bytes, working tree $tree)"
 src=$(readlink -f "$root/models/default.gguf")
-"$python" - "$src" "$carry/models/default.gguf" "$budget_mib" <<'EOF'
+"$python" - "$src" "$carry/models/default.gguf" "$budget_kib" <<'EOF'
 import re, sys
 import gguf
 
-src, dst, budget = sys.argv[1], sys.argv[2], float(sys.argv[3]) * 2**20
+src, dst, budget = sys.argv[1], sys.argv[2], float(sys.argv[3]) * 2**10
 r = gguf.GGUFReader(src)
 arch = r.fields["general.architecture"].contents()
 n_layer = r.fields[f"{arch}.block_count"].contents()
