@@ -389,13 +389,17 @@ bool cuda_forward::fold_norm(int rows) const {
   return true;
 }
 
-void cuda_forward::linear(const dev_matrix& w, const bf16* x, bf16* y, int rows, cudaStream_t s) {
+void cuda_forward::linear(const dev_matrix& w, const bf16* x, bf16* y, int rows, cudaStream_t s,
+                          const kc::gemv_norm& norm) {
+  // Only gemv_bf16 carries a folded norm; fold_norm() admits a step only where it is the path.
+  if ((norm.residual || norm.sumsq_in) && !plain_gemv(w, rows))
+    throw std::logic_error("cuda_forward: a folded RMSNorm on a matrix that gemv_bf16 does not multiply");
   if (w.raw && rows <= gemv_max_batch) {
     kc::gemv_quant(w.qt, w.raw, w.n_out, w.n_in, x, y, rows, s);
   } else if (streamed_gemv(w, rows)) {
     kc::gemv_bf16_streamed(w.w, w.n_out, w.n_in, x, y, rows, s, opt_.launch.bf16_gemv_stream);
   } else if (bf16_gemv(w, rows)) {
-    kc::gemv_bf16(w.w, w.n_out, w.n_in, x, y, rows, s, opt_.launch.bf16_gemv_prefetch_bytes);
+    kc::gemv_bf16(w.w, w.n_out, w.n_in, x, y, rows, s, opt_.launch.bf16_gemv_prefetch_bytes, norm);
   } else if (w.w) {
     gemm_.run(x, w.w, y, gemm_out::bf16, rows, (int)w.n_out, (int)w.n_in, s);
   } else {
@@ -449,11 +453,13 @@ void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
   // next norm's input (before its scale) and in norm_sumsq_ its partial sums of squares; qkv and
   // gate|up read them. The first layer's norm (after the embedding) and the last stay kernels.
   const bool fold = fold_norm(n);
-  kc::gemv_norm reader, writer;
-  reader.sumsq_in = norm_sumsq_.as<float>();
-  reader.eps = hp.norm_eps;
-  writer.residual = x;
-  writer.sumsq_out = norm_sumsq_.as<float>();
+  kc::gemv_norm reader, writer;  // empty (no fold) unless folded
+  if (fold) {
+    reader.sumsq_in = norm_sumsq_.as<float>();
+    reader.eps = hp.norm_eps;
+    writer.residual = x;
+    writer.sumsq_out = norm_sumsq_.as<float>();
+  }
   const int prefetch = opt_.launch.bf16_gemv_prefetch_bytes;
   kc::qkv_rope_args rope;  // for the qkv GEMV applying RoPE (launch_options::gemv_rope)
   rope.rope = rp;
@@ -464,43 +470,28 @@ void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
   const kc::pdl_scope pdl(opt_.launch.pdl);
   for (int il = 0; il < hp.n_layers; ++il) {
     const dev_layer& L = weights_.layer(il);
-    const bool read_norm = fold && il > 0;
-    const kc::gemv_norm qkv_norm = read_norm ? reader : kc::gemv_norm{};
-    if (!read_norm) kc::add_rmsnorm(x, il == 0 ? nullptr : y, L.attn_norm, h, n, d, hp.norm_eps, s);
+    const kc::gemv_norm qkv_norm = il > 0 ? reader : kc::gemv_norm{};  // layer 0: after the embedding
+    if (!(fold && il > 0)) kc::add_rmsnorm(x, il == 0 ? nullptr : y, L.attn_norm, h, n, d, hp.norm_eps, s);
     if (opt_.launch.gemv_rope && plain_gemv(L.qkv, n)) {
       rope.bq = L.bq, rope.bk = L.bk, rope.bv = L.bv, rope.layer = il;
       kc::gemv_bf16_rope_qkv(L.qkv.w, L.qkv.n_in, h, rope, s, prefetch, qkv_norm);
     } else {
-      if (read_norm)
-        kc::gemv_bf16(L.qkv.w, L.qkv.n_out, L.qkv.n_in, h, qkv_.as<bf16>(), n, s, prefetch, qkv_norm);
-      else
-        linear(L.qkv, h, qkv_.as<bf16>(), n, s);
+      linear(L.qkv, h, qkv_.as<bf16>(), n, s, qkv_norm);
       kc::rope_qkv_store(qkv_.as<bf16>(), L.bq, L.bk, L.bv, rp, st, kv, il, q_.as<bf16>(), s);
     }
     kc::paged_attention(q_.as<bf16>(), st, kv, il, hp.n_heads, scale, attn_.as<bf16>(), sc, s);
-    if (fold) {
-      writer.norm_w = L.ffn_norm;
-      kc::gemv_bf16(L.o.w, d, L.o.n_in, attn_.as<bf16>(), h, n, s, prefetch, writer);
-    } else {
-      linear(L.o, attn_.as<bf16>(), y, n, s);
-      kc::add_rmsnorm(x, y, L.ffn_norm, h, n, d, hp.norm_eps, s);
-    }
-    const kc::gemv_norm gu_norm = fold ? reader : kc::gemv_norm{};
+    // Folded, the writers leave the next norm's input in h; else add_rmsnorm makes it from y.
+    if (fold) writer.norm_w = L.ffn_norm;
+    linear(L.o, attn_.as<bf16>(), fold ? h : y, n, s, writer);
+    if (!fold) kc::add_rmsnorm(x, y, L.ffn_norm, h, n, d, hp.norm_eps, s);
     if (opt_.launch.gemv_swiglu && plain_gemv(L.gate_up, n)) {
-      kc::gemv_bf16_swiglu(L.gate_up.w, hp.d_ff, d, h, act_.as<bf16>(), n, s, prefetch, gu_norm);
+      kc::gemv_bf16_swiglu(L.gate_up.w, hp.d_ff, d, h, act_.as<bf16>(), n, s, prefetch, reader);
     } else {
-      if (fold)
-        kc::gemv_bf16(L.gate_up.w, L.gate_up.n_out, L.gate_up.n_in, h, gu_.as<bf16>(), n, s, prefetch, gu_norm);
-      else
-        linear(L.gate_up, h, gu_.as<bf16>(), n, s);
+      linear(L.gate_up, h, gu_.as<bf16>(), n, s, reader);
       kc::swiglu(gu_.as<bf16>(), act_.as<bf16>(), n, hp.d_ff, s);
     }
-    if (fold) {
-      writer.norm_w = il + 1 < hp.n_layers ? weights_.layer(il + 1).attn_norm : weights_.output_norm();
-      kc::gemv_bf16(L.down.w, d, L.down.n_in, act_.as<bf16>(), h, n, s, prefetch, writer);
-    } else {
-      linear(L.down, act_.as<bf16>(), y, n, s);
-    }
+    if (fold) writer.norm_w = il + 1 < hp.n_layers ? weights_.layer(il + 1).attn_norm : weights_.output_norm();
+    linear(L.down, act_.as<bf16>(), fold ? h : y, n, s, writer);
   }
   // Folded: the residual is complete, h holds it times the output norm's weights but unscaled.
   kc::add_rmsnorm(x, fold ? nullptr : y, weights_.output_norm(), h, n, d, hp.norm_eps, s);

@@ -212,7 +212,9 @@ class cuda_forward {
                       std::span<const std::span<const int32_t>> histories);
   void launch(const plan& p);
   void run_layers(const plan& p, cudaStream_t s);
-  void linear(const dev_matrix& w, const bf16* x, bf16* y, int rows, cudaStream_t s);
+  /// y = x w^T through gemv_quant, gemv_bf16(_streamed) or cuBLASLt; `norm` (a folded RMSNorm
+  /// reader or writer) only where gemv_bf16 is the path (plain_gemv).
+  void linear(const dev_matrix& w, const bf16* x, bf16* y, int rows, cudaStream_t s, const kc::gemv_norm& norm = {});
   /// Whether linear() multiplies w for a step of `rows` rows with gemv_bf16 (or, streamed_gemv,
   /// gemv_bf16_streamed) rather than cuBLASLt; quantized matrices kept raw take gemv_quant first.
   bool bf16_gemv(const dev_matrix& w, int rows) const;

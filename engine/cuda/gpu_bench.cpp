@@ -305,10 +305,6 @@ void run(const args& a) {
     l.gemv_swiglu = l.attention_last_cta_merge = l.gemv_rope = true;
     return l;
   };
-  auto folded = [](ec::launch_options l) {
-    l.gemv_fold_norm = true;
-    return l;
-  };
   // A failing variant (options not yet run on a device) is reported and skipped. Batch 1: the
   // best of three runs, as the variants differ by a few percent.
   auto run_variant = [&](int batch, const char* name, const ec::launch_options& l) {
@@ -389,11 +385,11 @@ void run(const args& a) {
     // First runs on a device (written without one): the fused launches, the folded RMSNorm, the
     // L2 prefetch, then the streamed GEMV (the pipeline search, the best one in whole steps).
     // Last, so that a fault in them costs none of the figures above.
-    // SwiGLU in the gate|up GEMV, RoPE in the qkv GEMV and the last-CTA attention merge.
     run_variant(1, "_default", o.launch);  // measured as the variants below
     ec::launch_options sleep_wait = o.launch;  // the host's wait sleeping after 1 ms, as before step_spin
     sleep_wait.step_spin = std::chrono::milliseconds(0);
     run_variant(1, "_sleep_wait", sleep_wait);
+    // SwiGLU in the gate|up GEMV, RoPE in the qkv GEMV and the last-CTA attention merge.
     run_variant(1, "_fused", fused(options(1, true)));
     ec::launch_options merge_only = options(1, true);
     merge_only.attention_last_cta_merge = true;
@@ -407,22 +403,22 @@ void run(const args& a) {
       ec::launch_options l = options(1, true);
       l.attention_kv_per_split = kv;
       run_variant(1, ("_attn_kv" + std::to_string(kv)).c_str(), l);
-      run_variant(1, ("_fold_fused_attn_kv" + std::to_string(kv)).c_str(), folded(fused(l)));
+      run_variant(1, ("_fold_fused_attn_kv" + std::to_string(kv)).c_str(), ec::fused_decode(l));
     }
     // RMSNorm and the residual add in the GEMVs, alone and with the fused launches.
-    f->set_launch_options(folded(options(1, true)));
-    line("decode_b1_fold_applies", f->fold_norm(1) ? 1.0 : 0.0, "bool");
-    run_variant(1, "_fold", folded(options(1, true)));
-    run_variant(1, "_fold_fused", folded(fused(options(1, true))));
-    run_variant(2, "_fold_fused", folded(fused(options(2, true))));
+    ec::launch_options fold_only = options(1, true);
+    fold_only.gemv_fold_norm = true;
+    run_variant(1, "_fold", fold_only);
+    line("decode_b1_fold_applies", f->fold_norm(1) ? 1.0 : 0.0, "bool");  // under the options just run
+    run_variant(1, "_fold_fused", ec::fused_decode(options(1, true)));
+    run_variant(2, "_fold_fused", ec::fused_decode(options(2, true)));
     // L2 prefetch of each GEMV row's first KiB before the programmatic wait.
     for (const int kib : {1, 2, 4, 8}) {
       ec::launch_options l = options(1, true);
       l.bf16_gemv_prefetch_bytes = kib << 10;
       run_variant(1, ("_prefetch_" + std::to_string(kib) + "k").c_str(), l);
-      l = fused(l);
-      run_variant(1, ("_fused_prefetch_" + std::to_string(kib) + "k").c_str(), l);
-      run_variant(1, ("_fold_fused_prefetch_" + std::to_string(kib) + "k").c_str(), folded(l));
+      run_variant(1, ("_fused_prefetch_" + std::to_string(kib) + "k").c_str(), fused(l));
+      run_variant(1, ("_fold_fused_prefetch_" + std::to_string(kib) + "k").c_str(), ec::fused_decode(l));
     }
     double best_stream_t = 1e30;
     for (const kc::gemv_stream_config c : {kc::gemv_stream_config{2, 4, 16384}, {1, 8, 16384}, {2, 6, 16384},

@@ -240,10 +240,13 @@ __device__ __forceinline__ void gemv_bf16_row(const bf16* __restrict__ row_w, in
   for (int b = 0; b < B; ++b) acc[b] = warp_sum(acc[b]);
 }
 
-// A reader's RMSNorm scale for batch row b: 1 / sqrt(sum of the writer's partial sums / n + eps),
-// the partials summed lane by lane in a fixed order (the same value in every warp and kernel).
+// Partial sums of squares a writer of n rows leaves per batch row: one per CTA.
+__host__ __device__ inline int64_t fold_parts(int64_t n) { return (n + gemv_warps - 1) / gemv_warps; }
+
+// A reader's RMSNorm scale for one batch row: 1 / sqrt(sum of the writer's partial sums / n +
+// eps), the partials summed lane by lane in a fixed order (the same value in every warp and kernel).
 __device__ __forceinline__ float norm_fold_scale(const float* __restrict__ sumsq, int64_t n, float eps) {
-  const int64_t parts = (n + gemv_warps - 1) / gemv_warps;
+  const int64_t parts = fold_parts(n);
   float ss = 0.0f;
   for (int64_t i = threadIdx.x & 31; i < parts; i += 32) ss += sumsq[i];
   return 1.0f / sqrtf(warp_sum(ss) / float(n) + eps);
@@ -257,7 +260,7 @@ __device__ __forceinline__ void gemv_bf16_dots(const bf16* __restrict__ row_w, i
   gemv_bf16_row<B>(row_w, n_in, x, acc);
   if constexpr (Reader) {
 #pragma unroll
-    for (int b = 0; b < B; ++b) acc[b] *= norm_fold_scale(norm.sumsq_in + b * ((n_in + gemv_warps - 1) / gemv_warps), n_in, norm.eps);
+    for (int b = 0; b < B; ++b) acc[b] *= norm_fold_scale(norm.sumsq_in + b * fold_parts(n_in), n_in, norm.eps);
   }
 }
 
@@ -286,9 +289,9 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_kernel(const bf16* 
   pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t o = int64_t(blockIdx.x) * gemv_warps + warp;
-  if (o < n_out && prefetch_bytes > 0) gemv_prefetch_row(w + o * n_in, n_in, prefetch_bytes);
-  pdl_wait();
   if constexpr (!Writer) {
+    if (o < n_out && prefetch_bytes > 0) gemv_prefetch_row(w + o * n_in, n_in, prefetch_bytes);
+    pdl_wait();
     if (o >= n_out) return;  // whole warps leave together
     float acc[B];
     gemv_bf16_dots<B, Reader>(w + o * n_in, n_in, x, norm, acc);
@@ -297,22 +300,21 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_kernel(const bf16* 
       if (lane == b) y[b * n_out + o] = __float2bfloat16_rn(acc[b]);
   } else {
     // Residual add as add_rmsnorm does it (x + float(bf16 y)), then the normalized input of the
-    // next GEMV before its scale, and this CTA's sum of squares per batch row.
-    __shared__ float squares[gemv_warps][B];
-    if (o < n_out) {
-      float acc[B];
-      gemv_bf16_dots<B, Reader>(w + o * n_in, n_in, x, norm, acc);
-#pragma unroll
-      for (int b = 0; b < B; ++b) {
-        if (lane != b) continue;
-        float* r = norm.residual + b * n_out + o;
-        const float v = *r + __bfloat162float(__float2bfloat16_rn(acc[b]));
+    // next GEMV before its scale, and this CTA's sum of squares per batch row (rows in order).
+    __shared__ float sums[gemv_warps][B], squares[gemv_warps][B];
+    gemv_bf16_cta_dots<B, Reader>(o < n_out ? w + o * n_in : nullptr, n_in, x, norm, prefetch_bytes, sums);
+    if (threadIdx.x < gemv_warps * B) {
+      const int k = threadIdx.x / B, b = threadIdx.x % B;
+      const int64_t row = int64_t(blockIdx.x) * gemv_warps + k;
+      float sq = 0.0f;  // the last CTA's rows past n_out add nothing
+      if (row < n_out) {
+        float* r = norm.residual + b * n_out + row;
+        const float v = *r + __bfloat162float(__float2bfloat16_rn(sums[k][b]));
         *r = v;
-        y[b * n_out + o] = __float2bfloat16_rn(v * norm.norm_w[o]);
-        squares[warp][b] = v * v;
+        y[b * n_out + row] = __float2bfloat16_rn(v * norm.norm_w[row]);
+        sq = v * v;
       }
-    } else if (lane < B) {
-      squares[warp][lane] = 0.0f;  // the last CTA's rows past n_out
+      squares[k][b] = sq;
     }
     __syncthreads();
     if (threadIdx.x < B) {
@@ -452,7 +454,7 @@ void check_bf16_args(const char* name, const bf16* w, int64_t n_in, const bf16* 
 
 }  // namespace
 
-int64_t norm_fold_parts(int64_t n_out) { return (n_out + gemv_warps - 1) / gemv_warps; }
+int64_t norm_fold_parts(int64_t n_out) { return fold_parts(n_out); }
 
 void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream,
                int prefetch_bytes, const gemv_norm& norm) {
