@@ -77,6 +77,7 @@ void cuda_forward::drop_graphs() {
 void cuda_forward::set_launch_options(const launch_options& l) {
   synchronize();
   drop_graphs();
+  graph_error_.clear();  // a capture that failed under other options is tried again under these
   opt_.launch = l;
 }
 
@@ -86,7 +87,7 @@ void cuda_forward::setup() {
     throw std::invalid_argument("cuda_forward: head size " + std::to_string(hp.head_dim) + " (the CUDA attention takes 64 or 128)");
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim, kvd = (int64_t)hp.n_kv_heads * hp.head_dim;
   const int64_t qkv_dim = qd + 2 * kvd;
-  kv_shape_ = {hp.n_layers, hp.n_kv_heads, hp.head_dim, opt_.block_size};
+  kv_shape_ = make_kv_shape(std::vector<bool>((size_t)hp.n_layers, false), hp.n_kv_heads, hp.head_dim, opt_.block_size, 0, false);
 
   const int top_bucket = decode_bucket(std::min(std::max(opt_.max_seqs, 1), max_decode_bucket));
   cap_seqs_ = std::max(opt_.max_seqs, top_bucket);  // a padded decode step stages a whole bucket

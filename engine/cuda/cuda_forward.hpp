@@ -83,7 +83,7 @@ struct launch_options {
   /// In such steps the residual add and RMSNorm between the layers' GEMVs ride on them
   /// (kernels::cuda::gemv_norm): the o and down GEMVs add into the residual stream and leave the
   /// normalized input with its sum of squares, the qkv and gate|up GEMVs scale their products by
-  /// the norm. 64 add_rmsnorm launches fewer a Llama-3-8B step; values within bf16 rounding of
+  /// the norm. 63 add_rmsnorm launches fewer a Llama-3-8B step; values within bf16 rounding of
   /// the unfused step (not the same bits). Only where all four matrices of every layer go through
   /// gemv_bf16. Off until a device measures it (troupe_gpu_bench's decode_b1_fold_*).
   bool gemv_fold_norm = false;
@@ -196,7 +196,8 @@ class cuda_forward {
   double last_step_device_ms() const;
   /// CUDA graphs captured so far.
   size_t n_graphs() const { return graphs_.size(); }
-  /// Why decode steps stopped using CUDA graphs (a capture failed), or empty.
+  /// Why decode steps stopped using CUDA graphs (a capture failed), or empty; set_launch_options
+  /// clears it (its steps are captured again).
   const std::string& graph_error() const { return graph_error_; }
   /// Whether steps of `rows` token rows fold RMSNorm into the GEMVs: launch_options::gemv_fold_norm
   /// and every layer's qkv, o, gate|up and down matrices through gemv_bf16.

@@ -1,7 +1,7 @@
 // The CUDA forward against the CPU forward (the reference): whole-model logits over a prefill and
 // decode steps in a paged cache with non-contiguous block tables, greedy continuations, CUDA
 // graph replays against eager runs, device sampling against the logits rows, KV block copies,
-// synthetic weights, and the errors.
+// synthetic weights, the errors, and the benchmark's read kernel (read_checksum).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -77,7 +77,9 @@ ec::cuda_options small_options(int32_t n_blocks) {
 // The CPU reference and the GPU backend with the same number of blocks.
 struct pair_of_forwards {
   pair_of_forwards(const model& m, const ec::cuda_options& o)
-      : kv({m.hparams().n_layers, m.hparams().n_kv_heads, m.hparams().head_dim, o.block_size}, o.n_blocks),
+      : kv(make_kv_shape(std::vector<bool>((size_t)m.hparams().n_layers, false), m.hparams().n_kv_heads, m.hparams().head_dim,
+                       o.block_size, 0, false),
+           o.n_blocks),
         pool(2),
         cpu(m, kv, pool),
         gpu(m, o) {}
@@ -357,6 +359,30 @@ TEST_CASE("CUDA forward: copy_blocks moves blocks device -> host -> device byte 
 
   const block_copy bad[1] = {{k::device_to_host, 0, 4}};  // host pool has blocks 0..3
   CHECK_THROWS_AS(f->copy_blocks(bad), std::invalid_argument);
+}
+
+TEST_CASE("read_checksum XORs every 32-bit word once (the bench's read-bandwidth kernel)", "[cuda]") {
+  std::mt19937_64 g(std::random_device{}());
+  // 62,501 vectors: not a multiple of any grid's trip (4 x 256 x CTAs), so the tail loop runs.
+  const size_t words = 4 * 62501;
+  std::vector<uint32_t> host(words);
+  for (auto& w : host) w = (uint32_t)g();
+  ec::device_buffer d(words * 4, "read_checksum input"), sum(4, "read_checksum output");
+  kc::check(cudaMemcpy(d.as<void>(), host.data(), words * 4, cudaMemcpyHostToDevice), "upload");
+  for (const size_t n : {size_t{0}, size_t{4}, size_t{1024}, words}) {  // words: a prefix of the buffer
+    uint32_t want = 0;
+    for (size_t i = 0; i < n; ++i) want ^= host[i];
+    for (const int ctas : {1, 3, 264}) {
+      INFO("words " << n << " ctas " << ctas);
+      kc::check(cudaMemset(sum.as<void>(), 0, 4), "cudaMemset");
+      ec::read_checksum(d.as<void>(), n * 4, sum.as<uint32_t>(), ctas, nullptr);
+      uint32_t got = 0;
+      kc::check(cudaMemcpy(&got, sum.as<void>(), 4, cudaMemcpyDeviceToHost), "download");
+      CHECK(got == want);
+    }
+  }
+  CHECK_THROWS_AS(ec::read_checksum(d.as<void>(), 12, sum.as<uint32_t>(), 1, nullptr), kc::cuda_error);
+  CHECK_THROWS_AS(ec::read_checksum(d.as<char>() + 4, 16, sum.as<uint32_t>(), 1, nullptr), kc::cuda_error);
 }
 
 TEST_CASE("CUDA forward: synthetic weights run and give finite logits", "[cuda]") {

@@ -50,7 +50,35 @@ __global__ void gather_rows_kernel(const bf16* in, const int32_t* rows, bf16* ou
   }
 }
 
+// Four 16-byte loads in flight a thread per trip, then the tail one vector at a time.
+__global__ void read_checksum_kernel(const uint4* p, int64_t n_vec, uint32_t* out) {
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  uint32_t acc = 0;
+  for (; i + 3 * stride < n_vec; i += 4 * stride) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = __ldcs(p + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < n_vec; i += stride) {
+    const uint4 v = __ldcs(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+  if ((threadIdx.x & 31) == 0 && acc != 0) atomicXor(out, acc);
+}
+
 }  // namespace
+
+void read_checksum(const void* p, size_t bytes, uint32_t* out, int ctas, cudaStream_t stream) {
+  if (bytes % 16 != 0 || reinterpret_cast<uintptr_t>(p) % 16 != 0 || ctas < 1)
+    throw kc::cuda_error("read_checksum: bytes a multiple of 16 from a 16-byte aligned address, ctas >= 1");
+  if (bytes == 0) return;
+  read_checksum_kernel<<<ctas, threads, 0, stream>>>(static_cast<const uint4*>(p), int64_t(bytes / 16), out);
+  kc::check_launch("read_checksum");
+}
 
 void fill_uniform_bf16(bf16* p, int64_t n, float amplitude, uint64_t seed, cudaStream_t stream) {
   if (n <= 0) return;

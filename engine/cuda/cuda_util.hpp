@@ -112,6 +112,10 @@ void fill_uniform_bf16(bf16* p, int64_t n, float amplitude, uint64_t seed, cudaS
 void fill_uniform_f32(float* p, int64_t n, float amplitude, uint64_t seed, cudaStream_t stream);
 /// p[i] = value.
 void fill_f32(float* p, int64_t n, float value, cudaStream_t stream);
+/// *out ^= the XOR of the 32-bit words of p[0, bytes) (bytes a multiple of 16, p 16-byte
+/// aligned): every byte read once by streaming 16-byte loads, a grid of `ctas` CTAs of 256
+/// threads striding over it. For measuring how fast the device reads (troupe_gpu_bench).
+void read_checksum(const void* p, size_t bytes, uint32_t* out, int ctas, cudaStream_t stream);
 /// out[r, :] = in[rows[r], :] for r in [0, n_rows); rows of d bf16 values.
 void gather_rows_bf16(const bf16* in, const int32_t* rows, bf16* out, int n_rows, int d, cudaStream_t stream);
 

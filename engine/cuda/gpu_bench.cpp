@@ -10,6 +10,9 @@
 //
 // - d2d_copy_bandwidth: cudaMemcpy of 2 GiB device to device, best of 5, counting bytes read
 //   plus bytes written (2 x 2 GiB per copy): the rate HBM sustains for a pure stream.
+// - hbm_read_bandwidth: 2 GiB read by streaming 16-byte loads and nothing written (read_checksum),
+//   best of 5 at 1 to 16 CTAs per SM (a line each), and over the copy rate: how far the weight
+//   GEMVs, which only read, could go past the copy rate the roofline is drawn from.
 // - gemm_*: cuBLASLt bf16 GEMM (fp32 accumulate) at 8192^3 and at the prefill shapes of the
 //   architecture (2048 token rows times each fused weight matrix), mean of 20 after 3 warm-ups.
 // - decode_b{1,8,64,256}: synthetic weights of the architecture, every sequence at a context that
@@ -53,6 +56,10 @@ namespace kc = troupe::kernels::cuda;
 
 namespace {
 
+// Every wait on the device here ends within this (cuda_error past it): a kernel that hangs costs
+// the bench this long per remaining figure, not scripts/gpu-check's whole stage.
+constexpr std::chrono::milliseconds wait_limit{20000};
+
 void line(const std::string& name, double value, const char* unit) { std::printf("%s %.4g %s\n", name.c_str(), value, unit); }
 
 // Times `fn` (enqueueing on s) with events: seconds per call, mean of n after `warm` warm-ups.
@@ -65,7 +72,7 @@ double time_on_stream(cudaStream_t s, int warm, int n, Fn&& fn) {
   kc::check(cudaEventRecord(a, s), "cudaEventRecord");
   for (int i = 0; i < n; ++i) fn();
   kc::check(cudaEventRecord(b, s), "cudaEventRecord");
-  kc::check(cudaEventSynchronize(b), "cudaEventSynchronize");
+  ec::wait_event(b, wait_limit, "a timed benchmark loop");  // a hung kernel ends the run, not the call
   float ms = 0.0f;
   kc::check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
   cudaEventDestroy(a);
@@ -84,6 +91,28 @@ double copy_bandwidth(cudaStream_t s) {
       kc::check(cudaMemcpyAsync(b.as<void>(), a.as<void>(), bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpy");
     }));
   return 2.0 * (double)bytes / best;
+}
+
+// Bytes read per second by read_checksum over 2 GiB (streaming loads, nothing written), best of
+// 5 at each grid size of 1 to 16 CTAs of 256 threads per SM: the read rate the weight GEMVs of a
+// decode step could reach. Prints one line per grid size.
+double read_bandwidth(cudaStream_t s, int dev) {
+  const size_t bytes = size_t{2} << 30;
+  ec::device_buffer a(bytes, "the read benchmark source"), sum(sizeof(uint32_t), "the read checksum");
+  kc::check(cudaMemsetAsync(a.as<void>(), 1, bytes, s), "cudaMemset");
+  int sms = 0;
+  kc::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  double best_rate = 0.0;
+  for (const int per_sm : {1, 2, 4, 8, 16}) {
+    double best = 1e30;
+    for (int i = 0; i < 5; ++i)
+      best = std::min(best, time_on_stream(s, i == 0 ? 1 : 0, 1, [&] {
+        ec::read_checksum(a.as<void>(), bytes, sum.as<uint32_t>(), sms * per_sm, s);
+      }));
+    line("hbm_read_bandwidth_" + std::to_string(per_sm) + "_ctas_per_sm", (double)bytes / best / 1e9, "GB/s");
+    best_rate = std::max(best_rate, (double)bytes / best);
+  }
+  return best_rate;
 }
 
 // FLOP/s of y[m, n] = x[m, k] W^T in bf16.
@@ -232,6 +261,13 @@ void run(const args& a) {
   }
   const double bw = copy_bandwidth(s);
   line("d2d_copy_bandwidth", bw / 1e9, "GB/s");
+  try {  // first run on a device: a failure costs these lines only
+    const double read_bw = read_bandwidth(s, a.device);
+    line("hbm_read_bandwidth", read_bw / 1e9, "GB/s");
+    line("hbm_read_over_copy", read_bw / bw, "x");
+  } catch (const std::exception& e) {
+    std::printf("# hbm_read_bandwidth failed: %s\n", e.what());
+  }
 
   double gemm_8192 = 0.0, prefill_gemm_flops = 0.0, prefill_gemm_time = 0.0;
   {
@@ -253,6 +289,7 @@ void run(const args& a) {
   const int bs = 16;
   ec::cuda_options o;
   o.device = a.device;
+  o.sync_timeout = wait_limit;
   o.weights.mode = ec::weights_mode::bf16;
   o.block_size = bs;
   o.max_seqs = 256;
@@ -305,10 +342,29 @@ void run(const args& a) {
     l.gemv_swiglu = l.attention_last_cta_merge = l.gemv_rope = true;
     return l;
   };
-  // A failing variant (options not yet run on a device) is reported and skipped. Batch 1: the
-  // best of three runs, as the variants differ by a few percent.
+  // A failing variant (options not yet run on a device) is reported and skipped; once a failure
+  // leaves the device unusable (a hung or faulted kernel: a small copy no longer completes), the
+  // variants after it are named as skipped instead of each waiting out wait_limit. A variant whose
+  // capture failed ran eagerly, and says so. Batch 1: the best of three runs, as the variants
+  // differ by a few percent.
+  bool device_lost = false;
+  ec::device_buffer probe(16, "the device probe");
+  ec::event_handle probe_event;
+  auto device_usable = [&] {
+    try {
+      kc::check(cudaMemsetAsync(probe.as<void>(), 0, 16, s), "cudaMemsetAsync");
+      ec::sync_stream(s, probe_event.get(), std::chrono::milliseconds(2000), "the device probe");
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  };
   auto run_variant = [&](int batch, const char* name, const ec::launch_options& l) {
     const std::string b = "decode_b" + std::to_string(batch) + name;
+    if (device_lost) {
+      std::printf("# %s skipped: the device was lost earlier\n", b.c_str());
+      return;
+    }
     try {
       f->set_launch_options(l);
       double t = decode_step_time(*f, batch, a);
@@ -316,9 +372,12 @@ void run(const args& a) {
       line(b + "_step", t * 1e3, "ms");
       line(b + "_tokens_per_s", batch / t, "tok/s");
       line(b + "_time_over_roofline", t / roofline_of(batch), "x");
+      if (!f->graph_error().empty()) std::printf("# %s ran eagerly, its capture failed: %s\n", b.c_str(), f->graph_error().c_str());
       if (batch == 1 && t < best_b1) best_b1 = t, best_b1_name = b;
     } catch (const std::exception& e) {
       std::printf("# %s failed: %s\n", b.c_str(), e.what());
+      device_lost = !device_usable();
+      if (device_lost) std::printf("# the device no longer completes work: the remaining variants are skipped\n");
     }
   };
   auto variant = [&](int batch, const char* name, int gemv_rows, bool pdl, size_t gemv_max_bytes = 0,
@@ -389,34 +448,43 @@ void run(const args& a) {
     ec::launch_options sleep_wait = o.launch;  // the host's wait sleeping after 1 ms, as before step_spin
     sleep_wait.step_spin = std::chrono::milliseconds(0);
     run_variant(1, "_sleep_wait", sleep_wait);
-    // SwiGLU in the gate|up GEMV, RoPE in the qkv GEMV and the last-CTA attention merge.
-    run_variant(1, "_fused", fused(options(1, true)));
+    // In order of risk, the least new code first: a fault ends the variants after it.
+    // Decode attention's split size (positions a split keeps at least; 64 by default).
+    for (const int kv : {32, 128}) {
+      ec::launch_options l = options(1, true);
+      l.attention_kv_per_split = kv;
+      run_variant(1, ("_attn_kv" + std::to_string(kv)).c_str(), l);
+    }
+    // L2 prefetch of each GEMV row's first KiB before the programmatic wait.
+    for (const int kib : {1, 2, 4, 8}) {
+      ec::launch_options l = options(1, true);
+      l.bf16_gemv_prefetch_bytes = kib << 10;
+      run_variant(1, ("_prefetch_" + std::to_string(kib) + "k").c_str(), l);
+    }
+    // The last-CTA attention merge, RoPE in the qkv GEMV, then with SwiGLU in the gate|up GEMV.
     ec::launch_options merge_only = options(1, true);
     merge_only.attention_last_cta_merge = true;
     run_variant(1, "_merge_only", merge_only);
     ec::launch_options rope_only = options(1, true);
     rope_only.gemv_rope = true;
     run_variant(1, "_rope_only", rope_only);
+    run_variant(1, "_fused", fused(options(1, true)));
     run_variant(64, "_fused", fused(options(o.launch.bf16_gemv_rows, true)));
-    // Decode attention's split size (positions a split keeps at least; 64 by default).
-    for (const int kv : {32, 128}) {
-      ec::launch_options l = options(1, true);
-      l.attention_kv_per_split = kv;
-      run_variant(1, ("_attn_kv" + std::to_string(kv)).c_str(), l);
-      run_variant(1, ("_fold_fused_attn_kv" + std::to_string(kv)).c_str(), ec::fused_decode(l));
-    }
     // RMSNorm and the residual add in the GEMVs, alone and with the fused launches.
     ec::launch_options fold_only = options(1, true);
     fold_only.gemv_fold_norm = true;
     run_variant(1, "_fold", fold_only);
-    line("decode_b1_fold_applies", f->fold_norm(1) ? 1.0 : 0.0, "bool");  // under the options just run
+    if (!device_lost) line("decode_b1_fold_applies", f->fold_norm(1) ? 1.0 : 0.0, "bool");  // under the options just run
     run_variant(1, "_fold_fused", ec::fused_decode(options(1, true)));
     run_variant(2, "_fold_fused", ec::fused_decode(options(2, true)));
-    // L2 prefetch of each GEMV row's first KiB before the programmatic wait.
+    for (const int kv : {32, 128}) {
+      ec::launch_options l = options(1, true);
+      l.attention_kv_per_split = kv;
+      run_variant(1, ("_fold_fused_attn_kv" + std::to_string(kv)).c_str(), ec::fused_decode(l));
+    }
     for (const int kib : {1, 2, 4, 8}) {
       ec::launch_options l = options(1, true);
       l.bf16_gemv_prefetch_bytes = kib << 10;
-      run_variant(1, ("_prefetch_" + std::to_string(kib) + "k").c_str(), l);
       run_variant(1, ("_fused_prefetch_" + std::to_string(kib) + "k").c_str(), fused(l));
       run_variant(1, ("_fold_fused_prefetch_" + std::to_string(kib) + "k").c_str(), ec::fused_decode(l));
     }
@@ -425,12 +493,14 @@ void run(const args& a) {
                                            {3, 4, 16384}, {4, 3, 16384}, {2, 4, 32768}, {1, 6, 32768}, {2, 8, 8192}}) {
       const std::string tag = "decode_b1_gemv_streamed_s" + std::to_string(c.ctas_per_sm) + "_" + std::to_string(c.stages) +
                               "_" + std::to_string(c.chunk_bytes >> 10) + "_gemm";
+      if (device_lost) break;
       try {
         const double t = decode_gemm_time(decode_gemms, s, hp, 1, layer_gemm::gemv_streamed, true, tag, c);
         line(tag + "_only_over_roofline", t / roofline_of(1), "x");
         if (t < best_stream_t) best_stream_t = t, best_stream = c;
-      } catch (const kc::cuda_error& e) {
+      } catch (const std::exception& e) {
         std::printf("# %s: %s\n", tag.c_str(), e.what());
+        device_lost = !device_usable();
       }
     }
     std::printf("# best streamed GEMV pipeline: %d CTAs per SM, %d stages, %d KiB\n", best_stream.ctas_per_sm,
@@ -449,6 +519,9 @@ void run(const args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A line at a time even into a file: a hang that scripts/gpu-check's timeout kills keeps every
+  // figure printed before it.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   try {
     if (kc::device_count() == 0) {
       std::fprintf(stderr, "troupe_gpu_bench: no CUDA device\n");

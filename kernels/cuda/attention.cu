@@ -334,8 +334,9 @@ __device__ __forceinline__ float merge_splits(const float* part_out, const float
   for (int sp = 0; sp < n_split; ++sp) {
     const float ls = __ldcg(part_ml + (slot0 + sp) * 2 + 1);
     if (!(ls > 0.0f)) continue;  // an empty split
-    const float w = ls * exp2f(__ldcg(part_ml + (slot0 + sp) * 2) - m);
-    l += w;
+    // Explicitly rounded: no multiply-add contracted differently in the two kernels that inline this.
+    const float w = __fmul_rn(ls, exp2f(__ldcg(part_ml + (slot0 + sp) * 2) - m));
+    l = __fadd_rn(l, w);
     o = fmaf(w, __ldcg(part_out + (slot0 + sp) * HD + d), o);
   }
   return l > 0.0f ? o / l : 0.0f;

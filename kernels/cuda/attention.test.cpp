@@ -69,12 +69,15 @@ double row_normalized_error(const std::vector<float>& got, const std::vector<flo
 struct attn_result {
   double error = 0.0;
   std::vector<uint16_t> bits;
+  std::vector<uint16_t> first_bits;  // fused_merge: the first run's output
   std::vector<unsigned> counters;
 };
 
 // Runs one step on the device and on the CPU. fused_merge: split rows are merged by their last
 // CTA (attention_scratch::counters, zeroed first) instead of merge_kernel; the step runs twice
-// then, the second time on a poisoned output, so a counter left nonzero would show.
+// then, the second time on a poisoned output and poisoned split partials, so a counter left
+// nonzero, or a merge that read partials before every split had written them, would show in
+// either run's bits (first_bits, bits).
 attn_result run_step(const attn_case& c, uint64_t seed, bool fused_merge) {
   std::mt19937_64 rng(seed);
   const int hd = c.head_dim;
@@ -184,12 +187,15 @@ attn_result run_step(const attn_case& c, uint64_t seed, bool fused_merge) {
   check(cudaMemset(d_counters.p, 0, d_counters.bytes()), "cudaMemset");
   if (fused_merge) sc.counters = d_counters.p;
   paged_attention(d_q.p, st, kv, layer, c.n_heads, scale, d_out.p, sc, nullptr);
+  attn_result r;
   if (fused_merge) {
+    check(cudaDeviceSynchronize(), "paged_attention");
+    for (const bf16 v : d_out.download()) r.first_bits.push_back(__nv_bfloat16_raw(v).x);
     d_out.poison();
+    d_scratch.poison();
     paged_attention(d_q.p, st, kv, layer, c.n_heads, scale, d_out.p, sc, nullptr);
   }
   check(cudaDeviceSynchronize(), "paged_attention");
-  attn_result r;
   const std::vector<bf16> out = d_out.download();
   r.error = row_normalized_error(from_bf16(out), want, hd);
   for (const bf16 v : out) r.bits.push_back(__nv_bfloat16_raw(v).x);
@@ -226,13 +232,16 @@ TEST_CASE("paged_attention decode-only batch splits long rows", "[cuda]") {
   INFO("head_dim " << head_dim << " seed " << seed);
   attn_case c{32, 8, head_dim, 16, {{0, 1}, {512, 1}, {513, 1}, {1023, 1}, {4095, 1}, {77, 1}, {2500, 1}}};
   // Splits of at least 64 positions (the default), 32 (one pass of a CTA), 7 (a ragged pass) and
-  // 128: rows of 17 to 4096 positions split 1 to 16 ways.
+  // 128: rows of 17 to 4096 positions split 1 to 16 ways. 113 positions at 7: 16 splits of 8, the
+  // last one empty.
   c.seqs.push_back({16, 1});
+  c.seqs.push_back({112, 1});
   c.kv_per_split = GENERATE(64, 32, 7, 128);
   INFO("kv_per_split " << c.kv_per_split);
   CHECK(run_case(c, seed) <= 2e-2);
   const attn_result kernel = run_step(c, seed, false), fused = run_step(c, seed, true);
   CHECK(fused.bits == kernel.bits);  // the last-CTA merge at every split size
+  CHECK(fused.first_bits == kernel.bits);
 }
 
 TEST_CASE("paged_attention's last-CTA merge equals merge_kernel bit for bit and resets its counters", "[cuda]") {

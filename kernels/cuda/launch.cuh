@@ -9,8 +9,8 @@
 // earlier one has too). Before pdl_wait() a kernel may only touch inputs no kernel of the step
 // writes; ours call it first thing (a GEMV that loaded its first weights before it held more
 // registers and ran slower: docs/perf.md §4b), so what overlaps is the launch and scheduling of
-// the next kernel's CTAs. Exceptions, all on weights: gemv_bf16's optional L2 prefetch
-// (prefetch_bytes) and gemv_bf16_streamed's first bulk copies. Without the attribute (no scope, another architecture) both calls are
+// the next kernel's CTAs. Exceptions, all on weights: the optional L2 prefetch (prefetch_bytes) of
+// gemv_bf16, gemv_bf16_swiglu and gemv_bf16_rope_qkv, and gemv_bf16_streamed's first bulk copies. Without the attribute (no scope, another architecture) both calls are
 // no-ops and the launch is an ordinary one.
 #pragma once
 

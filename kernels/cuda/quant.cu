@@ -189,8 +189,9 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_kernel(const uint8_t* __
 // activations (a few KB, shared by every warp) come through L1. Unroll: 8 at one or two rows (a
 // Llama-3-8B row of 4,096 weights is then two trips of 4 KB per warp in flight), 4 above, where
 // each weight load also feeds B activation loads. Under programmatic dependent launch it waits
-// for the kernel ahead before anything (a variant that loaded its first weights before waiting
-// needed 56 registers instead of 36 and ran slower: docs/perf.md §4b).
+// for the kernel ahead before anything but its optional L2 prefetch of weights (prefetch_bytes;
+// a variant that loaded its first weights into registers before waiting needed 56 registers
+// instead of 36 and ran slower: docs/perf.md §4b).
 template <int B>
 constexpr int gemv_bf16_unroll = B <= 2 ? 8 : 4;
 
@@ -438,6 +439,12 @@ int block_values(quant_type t) { return t == quant_type::q4_k ? 256 : 32; }
 
 bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
+// Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte.
+bool overlaps(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
+  const auto pa = reinterpret_cast<uintptr_t>(a), pb = reinterpret_cast<uintptr_t>(b);
+  return pa < pb + uintptr_t(b_bytes) && pb < pa + uintptr_t(a_bytes);
+}
+
 void check_args(quant_type t, const void* w, int64_t n, const char* name) {
   // q4_k reads 32-bit words of 144-byte blocks; the 32-value types read 16-bit words.
   if (n % block_values(t) != 0 || !aligned(w, t == quant_type::q4_k ? 4 : 2))
@@ -463,6 +470,12 @@ void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* 
   if (writer && (!norm.norm_w || !norm.sumsq_out)) throw cuda_error("gemv_bf16: a norm writer needs norm_w and sumsq_out");
   if (!writer && (norm.norm_w || norm.sumsq_out)) throw cuda_error("gemv_bf16: norm_w or sumsq_out without a residual");
   if (n_out <= 0 || n_in <= 0) return;
+  // CTAs store while others still read: what they write must not alias what any of them reads.
+  if (overlaps(x, batch * n_in * 2, y, batch * n_out * 2))
+    throw cuda_error("gemv_bf16: y overlaps x (other CTAs still read x while one stores y)");
+  if (reader && writer &&
+      overlaps(norm.sumsq_in, batch * fold_parts(n_in) * 4, norm.sumsq_out, batch * fold_parts(n_out) * 4))
+    throw cuda_error("gemv_bf16: a norm reader and writer in one launch need separate sums of squares");
   const auto blocks = unsigned(norm_fold_parts(n_out));
   with_batch(batch, [&](auto b) {
     constexpr int B = decltype(b)::value;

@@ -173,9 +173,9 @@ TEST_CASE("gemv_bf16 with the residual add and RMSNorm folded in (gemv_norm) aga
   const bool pdl = GENERATE(false, true);
   const pdl_scope scope(pdl);
   const float eps = 1e-5f;
-  // {d, writer inputs k, reader outputs m}: Llama-3-8B's d; a last CTA of two rows and a ragged
-  // reader; one CTA.
-  const int64_t shapes[][3] = {{4096, 1024, 1003}, {1032, 520, 129}, {8, 16, 5}};
+  // {d, writer inputs k, reader outputs m}: Llama-3-8B's d; a ragged reader; one CTA; a writer
+  // whose last CTA has two rows (d = 1030: no reader, whose inputs are a multiple of 8).
+  const int64_t shapes[][3] = {{4096, 1024, 1003}, {1032, 520, 129}, {8, 16, 5}, {1030, 520, 5}};
   for (const auto& sh : shapes) {
     const int64_t d = sh[0], k = sh[1], m = sh[2], parts = norm_fold_parts(d);
     const auto w1 = round_bf16(random_floats(size_t(d * k), g)), w2 = round_bf16(random_floats(size_t(m * d), g));
@@ -186,7 +186,11 @@ TEST_CASE("gemv_bf16 with the residual add and RMSNorm folded in (gemv_norm) aga
     for (const int batch : {1, 2, 8}) {
       INFO("pdl " << pdl << " d " << d << " k " << k << " m " << m << " batch " << batch);
       const auto a = round_bf16(random_floats(size_t(batch * k), g));
-      const auto r0 = random_floats(size_t(batch * d), g, -4.0f, 4.0f);
+      // Each batch row's residual at its own scale (x 0.5 to x 4), so a reader that took another
+      // row's sums of squares would be off by a factor of 1.5 or more.
+      auto r0 = random_floats(size_t(batch * d), g, -4.0f, 4.0f);
+      for (int b = 0; b < batch; ++b)
+        for (int64_t i = 0; i < d; ++i) r0[size_t(b * d + i)] *= 0.5f * float(b + 1);
       dev_buf<bf16> d_a(to_bf16(a));
       const size_t bd = size_t(batch * d), bm = size_t(batch * m);
 
@@ -195,7 +199,8 @@ TEST_CASE("gemv_bf16 with the residual add and RMSNorm folded in (gemv_norm) aga
       dev_buf<bf16> d_y(bd), d_h(bd), d_out_ref(bm);
       gemv_bf16(d_w1.p, d, k, d_a.p, d_y.p, batch, nullptr);
       add_rmsnorm(d_r_ref.p, d_y.p, d_gain.p, d_h.p, batch, int(d), eps, nullptr);
-      gemv_bf16(d_w2.p, m, d, d_h.p, d_out_ref.p, batch, nullptr);
+      const bool has_reader = d % 8 == 0;
+      if (has_reader) gemv_bf16(d_w2.p, m, d, d_h.p, d_out_ref.p, batch, nullptr);
 
       // Folded: the writer leaves the residual (the same bits), x * gain and the partial sums.
       dev_buf<float> d_r(r0), d_ss(size_t(batch * parts));
@@ -224,6 +229,7 @@ TEST_CASE("gemv_bf16 with the residual add and RMSNorm folded in (gemv_norm) aga
       double ss_err = 0.0;
       for (size_t i = 0; i < ss.size(); ++i) ss_err = std::max(ss_err, std::fabs(double(ss[i]) - want_ss[i]) / (1e-30 + want_ss[i]));
       CHECK(ss_err <= 1e-6);
+      if (!has_reader) continue;
 
       // The reader against the host's exact norm and the unfused path.
       gemv_norm reader;
@@ -270,6 +276,15 @@ TEST_CASE("gemv_bf16 with the residual add and RMSNorm folded in (gemv_norm) aga
   gemv_norm writer;
   writer.residual = f.p, writer.norm_w = f.p, writer.sumsq_out = f.p;
   CHECK_THROWS_AS(gemv_bf16_swiglu(w.p, 2, 16, x.p, y.p, 1, nullptr, 0, writer), cuda_error);
+  // Aliasing that would race between CTAs: y over x; a reader's sums under the writer's.
+  CHECK_THROWS_AS(gemv_bf16(w.p, 4, 16, x.p, x.p + 8, 1, nullptr), cuda_error);
+  dev_buf<float> res(size_t(4)), gain(size_t(4)), sums(size_t(8));  // sums: 1 written, 4 read
+  gemv_norm both;
+  both.residual = res.p, both.norm_w = gain.p, both.sumsq_out = sums.p, both.sumsq_in = sums.p, both.eps = 1e-5f;
+  CHECK_THROWS_AS(gemv_bf16(w.p, 4, 16, x.p, y.p, 1, nullptr, 0, both), cuda_error);
+  both.sumsq_in = sums.p + 4;  // separate sums: accepted
+  CHECK_NOTHROW(gemv_bf16(w.p, 4, 16, x.p, y.p, 1, nullptr, 0, both));
+  check(cudaDeviceSynchronize(), "gemv_bf16");
 }
 
 TEST_CASE("gemv_bf16_streamed matches bf16 weights times bf16 activations, repeatably", "[cuda]") {
@@ -277,8 +292,9 @@ TEST_CASE("gemv_bf16_streamed matches bf16 weights times bf16 activations, repea
   INFO("seed " << seed);
   std::mt19937_64 g(seed);
   // 20011 rows: several per warp and CTA, runs that start and end inside 16 KB chunks; 14336: a
-  // row over two chunks; 256: 64 rows a chunk; 3 rows: fewer CTAs than SMs.
-  const int64_t shapes[][2] = {{20011, 1280}, {1003, 4096}, {301, 14336}, {517, 256}, {3, 4096}};
+  // row over two chunks; 20000 x 256: ~76 rows a CTA, 32 of them a chunk (517 x 256: one or two
+  // rows a CTA); 3 rows: fewer CTAs than SMs.
+  const int64_t shapes[][2] = {{20011, 1280}, {1003, 4096}, {301, 14336}, {20000, 256}, {517, 256}, {3, 4096}};
   for (const auto& sh : shapes) {
     const int64_t n_out = sh[0], n_in = sh[1];
     const auto w = round_bf16(random_floats(size_t(n_out * n_in), g));
