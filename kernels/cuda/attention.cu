@@ -54,37 +54,60 @@ __host__ __device__ inline int decode_splits(int kv_len, int cap, int per_split)
 }
 
 // ---- PTX helpers ---------------------------------------------------------------------------------
+// (The CPU emulation build, TROUPE_CUDA_EMU, runs tests/cuda_emu's stand-ins instead of the PTX.)
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#ifdef TROUPE_CUDA_EMU
+  memcpy(smem, gmem, 16);
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
+#endif
 }
+#ifdef TROUPE_CUDA_EMU
+__device__ __forceinline__ void cp_async_commit() {}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {}
+#else
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+#endif
 
 // Four 8x8 b16 matrices; lanes 8j..8j+7 address the rows of matrix j, register j receives it.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+#ifdef TROUPE_CUDA_EMU
+  troupe_emu::ldmatrix_x4(r, smem, false);
+#else
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(smem))
                : "memory");
+#endif
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+#ifdef TROUPE_CUDA_EMU
+  troupe_emu::ldmatrix_x4(r, smem, true);
+#else
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(smem))
                : "memory");
+#endif
 }
 
 // d += a * b for one 16x8x16 tile: a row-major fp16 (4 regs), b column-major fp16 (2 regs), d fp32.
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifdef TROUPE_CUDA_EMU
+  troupe_emu::mma_16816_f16(d, a, b0, b1);
+#else
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
@@ -122,7 +145,7 @@ __global__ void __launch_bounds__(pf_threads)
   constexpr int chunks = HD / 8;  // 16-byte chunks per K or V row
   constexpr int n_kt = pf_tile_n / 8;
   constexpr int n_dt = HD / 8;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  TROUPE_DYNAMIC_SMEM(unsigned char, smem_raw, 128);
   fp16* k_smem = reinterpret_cast<fp16*>(smem_raw);  // [2][pf_tile_n][stride]
   fp16* v_smem = k_smem + 2 * pf_tile_n * stride;
 

@@ -32,7 +32,13 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f +
 
 /// Asks L2 for the 128-byte line at p (no register holds anything; the load that wants it later
 /// finds it in L2 if it arrived and stayed).
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifndef TROUPE_CUDA_EMU  // nothing to ask of a cache in the CPU emulation build (tests/cuda_emu)
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  (void)p;
+#endif
+}
 
 /// The shared-state-space address of a pointer into shared memory (PTX operands).
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -40,3 +46,11 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 }  // namespace troupe::kernels::cuda
+
+/// `extern __shared__ __align__(A) T name[]`, the launch's dynamic shared memory; in the CPU
+/// emulation build (tests/cuda_emu) the running CTA's buffer.
+#ifdef TROUPE_CUDA_EMU
+#define TROUPE_DYNAMIC_SMEM(T, name, A) T* const name = reinterpret_cast<T*>(::troupe_emu::dynamic_smem())
+#else
+#define TROUPE_DYNAMIC_SMEM(T, name, A) extern __shared__ __align__(A) T name[]
+#endif

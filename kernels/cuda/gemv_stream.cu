@@ -27,6 +27,17 @@ constexpr int stream_threads = 256;
 constexpr int slice_vecs = 32;
 constexpr int stride_vecs = stream_threads;  // a warp's next slice: 8 warps x 32 vectors on
 
+#ifdef TROUPE_CUDA_EMU  // the CPU emulation build (tests/cuda_emu) runs its stand-ins for the PTX
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) { troupe_emu::mbar_init(bar, count); }
+__device__ __forceinline__ void mbar_init_fence() {}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  troupe_emu::mbar_arrive_expect_tx(bar, bytes);
+  troupe_emu::bulk_copy(dst, src, bytes, bar);
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  while (!troupe_emu::mbar_test_parity(bar, parity)) troupe_emu::spin_yield();
+}
+#else
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
 }
@@ -55,6 +66,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
         : "memory");
   }
 }
+#endif
 
 constexpr int stream_warps = stream_threads / 32;
 
@@ -67,7 +79,7 @@ __global__ void __launch_bounds__(stream_threads) gemv_stream_kernel(const bf16*
                                                                      const bf16* __restrict__ x, bf16* __restrict__ y,
                                                                      int stages, int chunk) {
   const int chunk_vecs = chunk / 16;
-  extern __shared__ __align__(128) unsigned char smem[];
+  TROUPE_DYNAMIC_SMEM(unsigned char, smem, 128);
   auto* buf = reinterpret_cast<uint4*>(smem);  // [stages][chunk_vecs]
   auto* full = reinterpret_cast<uint64_t*>(smem + size_t(stages) * chunk);
   auto* part = reinterpret_cast<float*>(full + stages);  // [B][n_rows][stream_warps]

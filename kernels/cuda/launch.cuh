@@ -41,6 +41,10 @@ __device__ __forceinline__ void pdl_wait() {
 /// when pdl_enabled(). Launch errors are left for check_launch().
 template <class... Params, class... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+#ifdef TROUPE_CUDA_EMU
+  (void)stream;
+  ::troupe_emu::launch(kernel, grid, block, smem, std::forward<Args>(args)...);
+#else
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -52,6 +56,19 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaS
   cfg.attrs = attr;
   cfg.numAttrs = pdl_enabled() ? 1 : 0;
   cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+#endif
+}
+
+/// kernel<<<grid, block, smem, stream>>>(args...) whatever pdl_enabled() says: for kernels that
+/// do not call pdl_wait(), which must not overlap the kernel before them.
+template <class... Params, class... Args>
+void launch_ordinary(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+#ifdef TROUPE_CUDA_EMU
+  (void)stream;
+  ::troupe_emu::launch(kernel, grid, block, smem, std::forward<Args>(args)...);
+#else
+  kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+#endif
 }
 
 }  // namespace troupe::kernels::cuda

@@ -223,9 +223,9 @@ template <class In, class Out>
 void convert(const In* in, Out* out, int64_t n, cudaStream_t stream, const char* name) {
   if (n <= 0) return;
   if (aligned(in, 32) && aligned(out, 32))
-    convert_kernel<8><<<grid_for((n + 7) / 8, flat_threads), flat_threads, 0, stream>>>(in, out, n);
+    launch_ordinary(convert_kernel<8, In, Out>, grid_for((n + 7) / 8, flat_threads), flat_threads, 0, stream, in, out, n);
   else
-    convert_kernel<1><<<grid_for(n, flat_threads), flat_threads, 0, stream>>>(in, out, n);
+    launch_ordinary(convert_kernel<1, In, Out>, grid_for(n, flat_threads), flat_threads, 0, stream, in, out, n);
   check_launch(name);
 }
 
@@ -237,7 +237,7 @@ void convert(const In* in, Out* out, int64_t n, cudaStream_t stream, const char*
 // is 41 CTAs for Llama-3-8B instead of one.
 __global__ void rope_qkv_store_kernel(const bf16* qkv, const float* bq, const float* bk, const float* bv,
                                       rope_params rp, step_layout st, kv_cache_view kv, int layer, bf16* q_out) {
-  extern __shared__ float2 cos_sin[];  // n_rot/2 (cos, sin) pairs for this row's position
+  TROUPE_DYNAMIC_SMEM(float2, cos_sin, 8);  // n_rot/2 (cos, sin) pairs for this row's position
   pdl_launch_dependents();
   pdl_wait();
   const int t = blockIdx.x, h = blockIdx.y;
@@ -270,9 +270,9 @@ __global__ void rope_qkv_store_kernel(const bf16* qkv, const float* bq, const fl
 void embed_rows(const bf16* table, const int32_t* tokens, float* out, int rows, int d, cudaStream_t stream) {
   if (rows <= 0 || d <= 0) return;
   if (d % 8 == 0 && aligned(table, 16) && aligned(out, 32))
-    embed_rows_kernel<8><<<rows, row_threads, 0, stream>>>(table, tokens, out, d);
+    launch_ordinary(embed_rows_kernel<8>, rows, row_threads, 0, stream, table, tokens, out, d);
   else
-    embed_rows_kernel<1><<<rows, row_threads, 0, stream>>>(table, tokens, out, d);
+    launch_ordinary(embed_rows_kernel<1>, rows, row_threads, 0, stream, table, tokens, out, d);
   check_launch("embed_rows");
 }
 
@@ -290,9 +290,9 @@ void add_residual(float* residual, const bf16* add, int rows, int n, cudaStream_
   const int64_t total = int64_t(rows) * n;
   if (total <= 0) return;
   if (aligned(residual, 32) && aligned(add, 16))
-    add_residual_kernel<8><<<grid_for((total + 7) / 8, flat_threads), flat_threads, 0, stream>>>(residual, add, total);
+    launch_ordinary(add_residual_kernel<8>, grid_for((total + 7) / 8, flat_threads), flat_threads, 0, stream, residual, add, total);
   else
-    add_residual_kernel<1><<<grid_for(total, flat_threads), flat_threads, 0, stream>>>(residual, add, total);
+    launch_ordinary(add_residual_kernel<1>, grid_for(total, flat_threads), flat_threads, 0, stream, residual, add, total);
   check_launch("add_residual");
 }
 

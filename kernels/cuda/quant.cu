@@ -431,7 +431,7 @@ template <quant_type T>
 void gemv_typed(const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream) {
   const auto blocks = unsigned((n_out + gemv_warps - 1) / gemv_warps);
   with_batch(batch, [&](auto b) {
-    gemv_kernel<T, decltype(b)::value><<<blocks, gemv_warps * 32, 0, stream>>>(static_cast<const uint8_t*>(w), n_out, n_in, x, y);
+    launch_ordinary(gemv_kernel<T, decltype(b)::value>, blocks, gemv_warps * 32, 0, stream, static_cast<const uint8_t*>(w), n_out, n_in, x, y);
   });
 }
 
@@ -542,10 +542,10 @@ void dequant_to_bf16(quant_type t, const void* w, int64_t n, bf16* out, cudaStre
   const auto blocks = unsigned(want < 65535 ? want : 65535);
   const auto* src = static_cast<const uint8_t*>(w);
   switch (t) {
-    case quant_type::q8_0: dequant_kernel<quant_type::q8_0><<<blocks, dequant_threads, 0, stream>>>(src, n_units, out); break;
-    case quant_type::q4_0: dequant_kernel<quant_type::q4_0><<<blocks, dequant_threads, 0, stream>>>(src, n_units, out); break;
-    case quant_type::q4_k: dequant_kernel<quant_type::q4_k><<<blocks, dequant_threads, 0, stream>>>(src, n_units, out); break;
-    case quant_type::q4_1: dequant_kernel<quant_type::q4_1><<<blocks, dequant_threads, 0, stream>>>(src, n_units, out); break;
+    case quant_type::q8_0: launch_ordinary(dequant_kernel<quant_type::q8_0>, blocks, dequant_threads, 0, stream, src, n_units, out); break;
+    case quant_type::q4_0: launch_ordinary(dequant_kernel<quant_type::q4_0>, blocks, dequant_threads, 0, stream, src, n_units, out); break;
+    case quant_type::q4_k: launch_ordinary(dequant_kernel<quant_type::q4_k>, blocks, dequant_threads, 0, stream, src, n_units, out); break;
+    case quant_type::q4_1: launch_ordinary(dequant_kernel<quant_type::q4_1>, blocks, dequant_threads, 0, stream, src, n_units, out); break;
   }
   check_launch("dequant_to_bf16");
 }

@@ -34,6 +34,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/launch.cuh"
 
 namespace troupe::kernels::cuda {
 
@@ -381,8 +382,8 @@ void sample_tokens(float* logits, int n_rows, int n_vocab, const sample_row_para
   if (n_rows <= 0) return;
   if (n_vocab <= 0) throw cuda_error("sample_tokens: n_vocab must be positive");
   if (history && hist_start && !scratch) throw cuda_error("sample_tokens: penalty histories need scratch");
-  sample_kernel<<<n_rows, sample_threads, 0, stream>>>(logits, n_vocab, params, history, hist_start,
-                                                       static_cast<int32_t*>(scratch), out_tokens);
+  launch_ordinary(sample_kernel, n_rows, sample_threads, 0, stream, logits, n_vocab, params, history, hist_start,
+                  static_cast<int32_t*>(scratch), out_tokens);
   check_launch("sample_tokens");
 }
 

@@ -1,0 +1,277 @@
+// CPU emulation of the CUDA execution model for the kernel tests (TROUPE_CUDA_EMU builds only).
+//
+// Force-included (-include) ahead of every kernels/cuda source and CUDA test compiled by the host
+// C++ compiler for troupe_cuda_emu_tests, so the kernels' device code runs on this machine, which
+// has no GPU: each CTA's threads are cooperative fibers on one OS thread, switched only where a
+// CUDA thread would wait for others (__syncthreads, warp shuffles and votes, mbarrier waits);
+// __shared__ variables are function statics (one CTA runs at a time); global memory is host memory
+// (cudaMalloc is malloc); the CTAs of a grid run one after another in a shuffled order and each
+// round of a CTA's fibers in a shuffled order, so a kernel that assumes an order between CTAs or
+// lacks a barrier between its threads can fail here as it could on a device.
+//
+// What it checks: the kernels' arithmetic, indexing, barriers and warp-level exchanges against the
+// CPU reference, including the fused and split paths. What it cannot: timing, memory ordering
+// between CTAs running at once (fences are no-ops here), device math's last-ulp behaviour (expf
+// is the host's), tensor-core accumulation order (mma is summed in float, in k order). Programmatic
+// dependent launch is a no-op: each kernel completes before the next starts.
+#pragma once
+
+#ifndef TROUPE_CUDA_EMU
+#error "cuda_emu.hpp is for the emulation build (TROUPE_CUDA_EMU) only"
+#endif
+
+#define __global__
+#define __device__
+#define __host__
+#define __shared__ static
+#define __launch_bounds__(...)
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+namespace troupe_emu {
+
+// ---- execution ----------------------------------------------------------------------------------
+
+/// The running fiber's threadIdx, and the running CTA's coordinates.
+const uint3& thread_idx();
+extern uint3 block_idx;
+extern dim3 grid_dim, block_dim;
+
+/// The dynamic shared memory of the running CTA (the launch's smem bytes, 128-byte aligned).
+unsigned char* dynamic_smem();
+
+/// Waits for every live thread of the CTA (threads that returned count as arrived).
+void syncthreads();
+/// Waits for the live lanes of `mask` in the caller's warp.
+void syncwarp(unsigned mask);
+/// Lets the other fibers run while this one polls for a condition another thread sets; fails
+/// the launch (a deadlock) when every fiber of the CTA only polls or waits.
+void spin_yield();
+/// Aborts the launch (as __trap() would): the next cudaGetLastError reports it.
+[[noreturn]] void trap(const char* why);
+
+/// Runs body() once per thread of every CTA of the grid. Errors go to cudaGetLastError.
+void run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body);
+
+/// Slots (8 bytes a lane) for one exchange among the lanes of mask: each writes its own, calls
+/// syncwarp(mask), reads any, then calls exchange_end(mask). A full warp alternates two sets of
+/// slots, so it needs no second barrier before the next exchange may write.
+uint64_t* exchange_slots(unsigned mask);
+void exchange_end(unsigned mask);
+int lane();
+/// Lanes of the caller's warp that have not returned.
+unsigned live_lanes();
+
+template <class... Params, class... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
+  // The parameters as the launch converts them, copied into each thread's call as on a device.
+  std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
+  run_grid(grid, block, smem, [&] { std::apply(kernel, params); });
+}
+
+// ---- warp exchanges -----------------------------------------------------------------------------
+
+/// Every lane of mask publishes v, then reads lane src_of(its lane)'s value.
+template <class T, class F>
+T exchange(unsigned mask, T v, F src_of) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>);
+  uint64_t* s = exchange_slots(mask);
+  const int me = lane();
+  std::memcpy(&s[me], &v, sizeof(T));
+  syncwarp(mask);
+  T r;
+  std::memcpy(&r, &s[src_of(me)], sizeof(T));
+  exchange_end(mask);
+  return r;
+}
+
+/// Every lane of mask publishes v; each returns f(value_of, mask), value_of(l) being lane l's
+/// value (f visits the lanes of mask only).
+template <class T, class F>
+auto gather(unsigned mask, T v, F f) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>);
+  uint64_t* s = exchange_slots(mask);
+  std::memcpy(&s[lane()], &v, sizeof(T));
+  syncwarp(mask);
+  auto r = f([s](int l) {
+    T x;
+    std::memcpy(&x, &s[l], sizeof(T));
+    return x;
+  });
+  exchange_end(mask);
+  return r;
+}
+
+/// Calls f(l) for each lane l of mask.
+template <class F>
+void for_lanes(unsigned mask, F f) {
+  for (unsigned m = mask; m; m &= m - 1) f(__builtin_ctz(m));
+}
+
+// ---- PTX stand-ins (the kernels' asm helpers call these in the emulation build) -----------------
+
+void ldmatrix_x4(uint32_t (&r)[4], const void* smem, bool trans);
+void mma_16816_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+void mbar_init(uint64_t* bar, uint32_t count);
+void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes);
+void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar);
+bool mbar_test_parity(uint64_t* bar, uint32_t parity);
+
+}  // namespace troupe_emu
+
+#define threadIdx (::troupe_emu::thread_idx())
+#define blockIdx (::troupe_emu::block_idx)
+#define blockDim (::troupe_emu::block_dim)
+#define gridDim (::troupe_emu::grid_dim)
+
+// ---- CUDA device intrinsics, by their CUDA names ------------------------------------------------
+
+inline void __syncthreads() { troupe_emu::syncthreads(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { troupe_emu::syncwarp(mask); }
+inline void __threadfence() {}
+inline void __threadfence_block() {}
+[[noreturn]] inline void __trap() { troupe_emu::trap("__trap()"); }
+inline void __nanosleep(unsigned) { troupe_emu::spin_yield(); }
+inline unsigned __activemask() { return troupe_emu::live_lanes(); }
+
+template <class T>
+T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+  return troupe_emu::exchange(mask, v, [&](int l) { return (l / width) * width + (src % width); });
+}
+template <class T>
+T __shfl_xor_sync(unsigned mask, T v, int m, int width = 32) {
+  return troupe_emu::exchange(mask, v, [&](int l) {
+    const int s = l ^ m;
+    return s / width == l / width ? s : l;
+  });
+}
+template <class T>
+T __shfl_up_sync(unsigned mask, T v, unsigned d, int width = 32) {
+  return troupe_emu::exchange(mask, v, [&](int l) { return l % width >= int(d) ? l - int(d) : l; });
+}
+template <class T>
+T __shfl_down_sync(unsigned mask, T v, unsigned d, int width = 32) {
+  return troupe_emu::exchange(mask, v, [&](int l) { return l % width + int(d) < width ? l + int(d) : l; });
+}
+inline unsigned __ballot_sync(unsigned mask, int pred) {
+  return troupe_emu::gather(mask, pred, [&](auto value_of) {
+    unsigned r = 0;
+    troupe_emu::for_lanes(mask, [&](int l) { r |= value_of(l) ? 1u << l : 0u; });
+    return r;
+  });
+}
+inline int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0; }
+inline int __all_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) == (mask & troupe_emu::live_lanes()); }
+template <class T>
+unsigned __match_any_sync(unsigned mask, T v) {
+  return troupe_emu::gather(mask, v, [&](auto value_of) {
+    unsigned r = 0;
+    troupe_emu::for_lanes(mask, [&](int l) {
+      const T x = value_of(l);
+      r |= std::memcmp(&x, &v, sizeof(T)) == 0 ? 1u << l : 0u;
+    });
+    return r;
+  });
+}
+inline unsigned __reduce_add_sync(unsigned mask, unsigned v) {
+  return troupe_emu::gather(mask, v, [&](auto value_of) {
+    unsigned r = 0;
+    troupe_emu::for_lanes(mask, [&](int l) { r += value_of(l); });
+    return r;
+  });
+}
+
+// Cache-hinted loads and stores are plain ones here.
+template <class T>
+T __ldg(const T* p) { return *p; }
+template <class T>
+T __ldcg(const T* p) { return *p; }
+template <class T>
+T __ldcs(const T* p) { return *p; }
+template <class T>
+T __ldca(const T* p) { return *p; }
+template <class T>
+T __ldlu(const T* p) { return *p; }
+template <class T>
+void __stcg(T* p, T v) { *p = v; }
+template <class T>
+void __stcs(T* p, T v) { *p = v; }
+
+// Atomics: fibers switch only at waits, so a read-modify-write is atomic as written.
+template <class T>
+T atomicAdd(T* p, T v) { const T old = *p; *p = old + v; return old; }
+template <class T>
+T atomicSub(T* p, T v) { const T old = *p; *p = old - v; return old; }
+template <class T>
+T atomicExch(T* p, T v) { const T old = *p; *p = v; return old; }
+template <class T>
+T atomicMax(T* p, T v) { const T old = *p; *p = std::max(old, v); return old; }
+template <class T>
+T atomicMin(T* p, T v) { const T old = *p; *p = std::min(old, v); return old; }
+template <class T>
+T atomicCAS(T* p, T cmp, T v) { const T old = *p; if (old == cmp) *p = v; return old; }
+inline unsigned atomicInc(unsigned* p, unsigned limit) { const unsigned old = *p; *p = old >= limit ? 0 : old + 1; return old; }
+
+// Rounded arithmetic: the host's IEEE operations (the build disables contraction into FMA).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __frcp_rn(float a) { return 1.0f / a; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __expf(float a) { return std::exp(a); }
+inline float __logf(float a) { return std::log(a); }
+inline float __saturatef(float a) { return std::clamp(a, 0.0f, 1.0f); }
+inline float rsqrtf(float a) { return 1.0f / std::sqrt(a); }
+inline unsigned __float_as_uint(float f) { return std::bit_cast<unsigned>(f); }
+inline float __uint_as_float(unsigned u) { return std::bit_cast<float>(u); }
+inline int __float_as_int(float f) { return std::bit_cast<int>(f); }
+inline float __int_as_float(int i) { return std::bit_cast<float>(i); }
+inline unsigned long long __float2ull_rn(float f) { return (unsigned long long)std::nearbyint(f); }
+inline int __float2int_rn(float f) { return int(std::nearbyint(f)); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(unsigned(x)); }
+inline int __clzll(long long x) { return x == 0 ? 64 : __builtin_clzll((unsigned long long)x); }
+inline unsigned __brev(unsigned x) {
+  unsigned r = 0;
+  for (int i = 0; i < 32; ++i) r |= (x >> i & 1u) << (31 - i);
+  return r;
+}
+inline size_t __cvta_generic_to_shared(const void* p) { return reinterpret_cast<size_t>(p); }
+
+// The runtime's templates on kernel pointers (cuda_runtime.h declares them for nvcc only).
+template <class... P>
+cudaError_t cudaFuncSetAttribute(void (*f)(P...), cudaFuncAttribute attr, int value) {
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(f), attr, value);
+}
+template <class... P>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, void (*f)(P...), int block, size_t smem) {
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, reinterpret_cast<const void*>(f), block, smem);
+}
+
+using std::isfinite;
+using std::isinf;
+using std::isnan;
+
+// Device code's unqualified min/max (CUDA overloads them for mixed integer types).
+template <class A, class B>
+constexpr std::common_type_t<A, B> min(A a, B b) { return b < a ? b : a; }
+template <class A, class B>
+constexpr std::common_type_t<A, B> max(A a, B b) { return a < b ? b : a; }
