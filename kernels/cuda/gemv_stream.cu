@@ -53,12 +53,25 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                : "memory");
 }
 
-// Waits for the phase of `bar` with this parity. A copy that never lands (a bug, not a slow
-// device: a stage takes microseconds) traps after ~4M polls instead of hanging the device.
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Waits for the phase of `bar` with this parity. A copy that never lands (a bug: a stage takes
+// microseconds) traps after 2 s by the global timer instead of hanging the device; time, not a
+// poll count, so a device slowed by a profiler or a debugger does not trap.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  constexpr uint64_t limit_ns = 2'000'000'000;
   uint32_t done = 0;
+  uint64_t start = 0;
   for (uint32_t polls = 0; !done; ++polls) {
-    if (polls == (1u << 22)) __trap();
+    if ((polls & 1023u) == 1023u) {  // the timer read costs more than a poll
+      const uint64_t now = globaltimer_ns();
+      if (start == 0) start = now;
+      else if (now - start > limit_ns) __trap();
+    }
     asm volatile(
         "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
