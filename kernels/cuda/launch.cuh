@@ -37,13 +37,24 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+/// kernel<<<grid, block, smem, stream>>>(args...) whatever pdl_enabled() says: for kernels that
+/// do not call pdl_wait(), which must not overlap the kernel before them.
+template <class... Params, class... Args>
+void launch_ordinary(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+#ifdef TROUPE_CUDA_EMU  // the CPU emulation build (tests/cuda_emu)
+  (void)stream;
+  ::troupe_emu::launch(kernel, grid, block, smem, std::forward<Args>(args)...);
+#else
+  kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+#endif
+}
+
 /// kernel<<<grid, block, smem, stream>>>(args...), with the programmatic-serialization attribute
 /// when pdl_enabled(). Launch errors are left for check_launch().
 template <class... Params, class... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
-#ifdef TROUPE_CUDA_EMU
-  (void)stream;
-  ::troupe_emu::launch(kernel, grid, block, smem, std::forward<Args>(args)...);
+#ifdef TROUPE_CUDA_EMU  // no overlap there: each launch completes before the next starts
+  launch_ordinary(kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 #else
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -56,18 +67,6 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaS
   cfg.attrs = attr;
   cfg.numAttrs = pdl_enabled() ? 1 : 0;
   cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-#endif
-}
-
-/// kernel<<<grid, block, smem, stream>>>(args...) whatever pdl_enabled() says: for kernels that
-/// do not call pdl_wait(), which must not overlap the kernel before them.
-template <class... Params, class... Args>
-void launch_ordinary(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
-#ifdef TROUPE_CUDA_EMU
-  (void)stream;
-  ::troupe_emu::launch(kernel, grid, block, smem, std::forward<Args>(args)...);
-#else
-  kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
 #endif
 }
 
