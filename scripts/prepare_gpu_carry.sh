@@ -87,41 +87,7 @@ budget_kib=$(( ${MODEL_BUDGET_MIB:-65536} * 1024 ))
 ((budget_kib > fit_kib)) && budget_kib=$fit_kib
 echo "model budget: $budget_kib KiB (the rest of the carry $rest bytes, working tree $tree)"
 src=$(readlink -f "$root/models/default.gguf")
-"$python" - "$src" "$carry/models/default.gguf" "$budget_kib" <<'EOF'
-import re, sys
-import gguf
-
-src, dst, budget = sys.argv[1], sys.argv[2], float(sys.argv[3]) * 2**10
-r = gguf.GGUFReader(src)
-arch = r.fields["general.architecture"].contents()
-n_layer = r.fields[f"{arch}.block_count"].contents()
-layer_of = lambda t: int(m.group(1)) if (m := re.match(r"blk\.(\d+)\.", t.name)) else None
-meta = min(t.data_offset for t in r.tensors)  # header, metadata and tensor infos
-shared = meta + sum(t.n_bytes for t in r.tensors if layer_of(t) is None)
-per_layer = sum(t.n_bytes for t in r.tensors if layer_of(t) == 0)
-keep = min(n_layer, int((budget - shared) // per_layer))
-if keep < 1:
-    sys.exit(f"{src}: not even one layer fits {budget / 2**20:.0f} MiB")
-
-w = gguf.GGUFWriter(dst, arch=arch, endianess=r.endianess)
-for f in r.fields.values():
-    if f.name == "general.architecture" or f.name.startswith("GGUF."):
-        continue
-    vtype = f.types[0]
-    sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-    val = keep if f.name == f"{arch}.block_count" else f.contents()
-    w.add_key_value(f.name, val, vtype, sub_type=sub)
-tensors = [t for t in r.tensors if layer_of(t) is None or layer_of(t) < keep]
-for t in tensors:
-    w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-w.write_header_to_file()
-w.write_kv_data_to_file()
-w.write_ti_data_to_file()
-for t in tensors:
-    w.write_tensor_data(t.data, tensor_endianess=r.endianess)
-w.close()
-print(f"model: {src} cut to {keep} of {n_layer} layers -> {dst}")
-EOF
+"$python" "$root/scripts/cut_model.py" "$src" "$carry/models/default.gguf" --budget-kib "$budget_kib"
 
 du -sh "$prefix" "$carry/models/default.gguf" "$carry"/*.tar.gz
 total=$(du -sb "$carry" | cut -f1)

@@ -1,5 +1,6 @@
 // Kernels of engine/cuda/cuda_util.hpp.
 #include "engine/cuda/cuda_util.hpp"
+#include "kernels/cuda/launch.cuh"
 
 namespace troupe::engine::cuda {
 
@@ -76,31 +77,31 @@ void read_checksum(const void* p, size_t bytes, uint32_t* out, int ctas, cudaStr
   if (bytes % 16 != 0 || reinterpret_cast<uintptr_t>(p) % 16 != 0 || ctas < 1)
     throw kc::cuda_error("read_checksum: bytes a multiple of 16 from a 16-byte aligned address, ctas >= 1");
   if (bytes == 0) return;
-  read_checksum_kernel<<<ctas, threads, 0, stream>>>(static_cast<const uint4*>(p), int64_t(bytes / 16), out);
+  kc::launch_ordinary(read_checksum_kernel, ctas, threads, 0, stream, static_cast<const uint4*>(p), int64_t(bytes / 16), out);
   kc::check_launch("read_checksum");
 }
 
 void fill_uniform_bf16(bf16* p, int64_t n, float amplitude, uint64_t seed, cudaStream_t stream) {
   if (n <= 0) return;
-  fill_uniform_bf16_kernel<<<blocks_for(n), threads, 0, stream>>>(p, n, amplitude, seed);
+  kc::launch_ordinary(fill_uniform_bf16_kernel, blocks_for(n), threads, 0, stream, p, n, amplitude, seed);
   kc::check_launch("fill_uniform_bf16");
 }
 
 void fill_uniform_f32(float* p, int64_t n, float amplitude, uint64_t seed, cudaStream_t stream) {
   if (n <= 0) return;
-  fill_uniform_f32_kernel<<<blocks_for(n), threads, 0, stream>>>(p, n, amplitude, seed);
+  kc::launch_ordinary(fill_uniform_f32_kernel, blocks_for(n), threads, 0, stream, p, n, amplitude, seed);
   kc::check_launch("fill_uniform_f32");
 }
 
 void fill_f32(float* p, int64_t n, float value, cudaStream_t stream) {
   if (n <= 0) return;
-  fill_f32_kernel<<<blocks_for(n), threads, 0, stream>>>(p, n, value);
+  kc::launch_ordinary(fill_f32_kernel, blocks_for(n), threads, 0, stream, p, n, value);
   kc::check_launch("fill_f32");
 }
 
 void gather_rows_bf16(const bf16* in, const int32_t* rows, bf16* out, int n_rows, int d, cudaStream_t stream) {
   if (n_rows <= 0) return;
-  gather_rows_kernel<<<n_rows, 128, 0, stream>>>(in, rows, out, d);
+  kc::launch_ordinary(gather_rows_kernel, n_rows, 128, 0, stream, in, rows, out, d);
   kc::check_launch("gather_rows_bf16");
 }
 

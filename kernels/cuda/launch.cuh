@@ -42,8 +42,7 @@ __device__ __forceinline__ void pdl_wait() {
 template <class... Params, class... Args>
 void launch_ordinary(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
 #ifdef TROUPE_CUDA_EMU  // the CPU emulation build (tests/cuda_emu)
-  (void)stream;
-  ::troupe_emu::launch(kernel, grid, block, smem, std::forward<Args>(args)...);
+  ::troupe_emu::launch(kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 #else
   kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
 #endif

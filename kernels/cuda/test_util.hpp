@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <limits>
 #include <random>
@@ -56,8 +57,9 @@ struct dev_buf {
   void poison() { check(cudaMemset(p, 0xFF, bytes()), "poison"); }
 };
 
-/// A seed that differs per run; tests print it (INFO) so a failure can be replayed.
+/// A seed that differs per run; tests print it (INFO), and TROUPE_TEST_SEED=that value replays it.
 inline uint64_t fresh_seed() {
+  if (const char* s = std::getenv("TROUPE_TEST_SEED")) return std::strtoull(s, nullptr, 10);
   std::random_device rd;
   return (uint64_t(rd()) << 32) ^ rd();
 }

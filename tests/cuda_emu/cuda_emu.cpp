@@ -1,6 +1,5 @@
-// The CPU emulation of CUDA behind cuda_emu.hpp: the fiber scheduler that runs a CTA's threads,
-// the PTX stand-ins, and the part of the CUDA runtime API the kernel tests and launchers call
-// (memory is host memory, every call completes before it returns, one device).
+// The CPU emulation of CUDA behind cuda_emu.hpp: the fiber scheduler that runs a CTA's threads
+// and the PTX stand-ins (the runtime API: runtime_emu.cpp; cuBLASLt: cublaslt_emu.cpp).
 #include <sys/mman.h>
 
 #include <cstdio>
@@ -42,6 +41,8 @@ namespace troupe_emu {
 
 uint3 block_idx;
 dim3 grid_dim, block_dim;
+cudaError_t last_error = cudaSuccess;
+cudaError_t sticky_error = cudaSuccess;
 
 namespace {
 
@@ -108,8 +109,6 @@ struct state {
 };
 
 state g;
-cudaError_t last_error = cudaSuccess;
-cudaError_t sticky_error = cudaSuccess;  // a failed launch poisons the "context", as on a device
 
 void release(barrier& b) {
   b.arrived = 0;
@@ -268,18 +267,30 @@ void spin_yield() {
 
 void trap(const char* why) { throw trap_exception{why}; }
 
+uint64_t random_u64() {
+  seed_once();
+  return g.rng();
+}
+
+bool launch_config_ok(dim3 grid, dim3 block, size_t smem) {
+  const size_t n_threads = size_t(block.x) * block.y * block.z;
+  const size_t n_blocks = size_t(grid.x) * grid.y * grid.z;
+  if (n_threads == 0 || n_threads > 1024 || n_blocks == 0 || grid.y > 65535 || grid.z > 65535 || smem > 227 * 1024) {
+    last_error = cudaErrorInvalidConfiguration;
+    return false;
+  }
+  return true;
+}
+
 void run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body) {
   seed_once();
   if (sticky_error != cudaSuccess) {
     last_error = sticky_error;
     return;
   }
+  if (!launch_config_ok(grid, block, smem)) return;
   const size_t n_threads = size_t(block.x) * block.y * block.z;
   const size_t n_blocks = size_t(grid.x) * grid.y * grid.z;
-  if (n_threads == 0 || n_threads > 1024 || n_blocks == 0 || grid.y > 65535 || grid.z > 65535 || smem > 227 * 1024) {
-    last_error = cudaErrorInvalidConfiguration;
-    return;
-  }
   grid_dim = grid, block_dim = block;
   g.body = &body;
   std::vector<unsigned char> dyn;
@@ -415,101 +426,3 @@ bool mbar_test_parity(uint64_t* bar, uint32_t parity) {
 }
 
 }  // namespace troupe_emu
-
-// ---- the CUDA runtime API, as far as the kernels and their tests use it -------------------------
-
-namespace {
-cudaError_t set(cudaError_t e) {
-  if (e != cudaSuccess) troupe_emu::last_error = e;
-  return e;
-}
-int env_int(const char* name, int fallback) {
-  const char* s = std::getenv(name);
-  return s ? std::atoi(s) : fallback;
-}
-}  // namespace
-
-extern "C" {
-
-cudaError_t cudaMalloc(void** p, size_t n) {
-  *p = std::aligned_alloc(256, (std::max<size_t>(n, 1) + 255) / 256 * 256);
-  return set(*p ? cudaSuccess : cudaErrorMemoryAllocation);
-}
-cudaError_t cudaFree(void* p) {
-  std::free(p);
-  return cudaSuccess;
-}
-cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind) {
-  if (n) std::memmove(dst, src, n);
-  return troupe_emu::sticky_error;
-}
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind kind, cudaStream_t) {
-  return cudaMemcpy(dst, src, n, kind);
-}
-cudaError_t cudaMemset(void* p, int v, size_t n) {
-  if (n) std::memset(p, v, n);
-  return troupe_emu::sticky_error;
-}
-cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) { return cudaMemset(p, v, n); }
-cudaError_t cudaDeviceSynchronize(void) { return troupe_emu::sticky_error; }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return troupe_emu::sticky_error; }
-cudaError_t cudaGetLastError(void) {
-  const cudaError_t e = troupe_emu::last_error;
-  troupe_emu::last_error = troupe_emu::sticky_error;
-  return e;
-}
-cudaError_t cudaPeekAtLastError(void) { return troupe_emu::last_error; }
-const char* cudaGetErrorName(cudaError_t e) {
-  switch (e) {
-    case cudaSuccess: return "cudaSuccess";
-    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
-    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
-    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
-    default: return "cudaError (emulated)";
-  }
-}
-const char* cudaGetErrorString(cudaError_t e) {
-  switch (e) {
-    case cudaSuccess: return "no error";
-    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
-    case cudaErrorLaunchFailure: return "unspecified launch failure (emulated: a trap or a deadlock, see stderr)";
-    case cudaErrorMemoryAllocation: return "out of memory";
-    default: return "emulated CUDA error";
-  }
-}
-cudaError_t cudaGetDevice(int* d) {
-  *d = 0;
-  return cudaSuccess;
-}
-cudaError_t cudaSetDevice(int d) { return set(d == 0 ? cudaSuccess : cudaErrorInvalidDevice); }
-cudaError_t cudaGetDeviceCount(int* n) {
-  *n = 1;
-  return cudaSuccess;
-}
-// An H200's shape by default (132 SMs, compute capability 9.0); TROUPE_EMU_SMS changes the count.
-cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr attr, int) {
-  switch (attr) {
-    case cudaDevAttrMultiProcessorCount: *v = env_int("TROUPE_EMU_SMS", 132); break;
-    case cudaDevAttrComputeCapabilityMajor: *v = 9; break;
-    case cudaDevAttrComputeCapabilityMinor: *v = 0; break;
-    case cudaDevAttrMaxThreadsPerMultiProcessor: *v = 2048; break;
-    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = 227 * 1024; break;
-    case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *v = 228 * 1024; break;
-    case cudaDevAttrL2CacheSize: *v = 60 * 1024 * 1024; break;
-    case cudaDevAttrWarpSize: *v = 32; break;
-    default: return set(cudaErrorInvalidValue);
-  }
-  return cudaSuccess;
-}
-cudaError_t cudaFuncSetAttribute(const void*, cudaFuncAttribute, int) { return cudaSuccess; }
-// Resident CTAs of blockSize threads and dyn bytes of shared memory per SM, by threads and shared
-// memory only (registers unknown here).
-cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, const void*, int block, size_t dyn) {
-  int by_threads = block > 0 ? 2048 / block : 0;
-  if (by_threads > 32) by_threads = 32;
-  const int by_smem = dyn ? int(228 * 1024 / (dyn + 1024)) : 32;
-  *n = std::min(by_threads, by_smem);
-  return cudaSuccess;
-}
-
-}  // extern "C"

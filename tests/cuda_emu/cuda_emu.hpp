@@ -1,19 +1,26 @@
-// CPU emulation of the CUDA execution model for the kernel tests (TROUPE_CUDA_EMU builds only).
+// CPU emulation of the CUDA execution model for the kernel and engine tests (TROUPE_CUDA_EMU builds only).
 //
-// Force-included (-include) ahead of every kernels/cuda source and CUDA test compiled by the host
-// C++ compiler for troupe_cuda_emu_tests, so the kernels' device code runs on this machine, which
-// has no GPU: each CTA's threads are cooperative fibers on one OS thread, switched only where a
-// CUDA thread would wait for others (__syncthreads, warp shuffles and votes, mbarrier waits);
-// __shared__ variables are function statics (one CTA runs at a time); global memory is host memory
-// (cudaMalloc is malloc); the CTAs of a grid run one after another in a shuffled order and each
-// round of a CTA's fibers in a shuffled order, so a kernel that assumes an order between CTAs or
-// lacks a barrier between its threads can fail here as it could on a device.
+// Force-included (-include) ahead of every kernels/cuda and engine/cuda source and CUDA test
+// compiled by the host C++ compiler for troupe_cuda_emu_tests, so the device code runs on this
+// machine, which has no GPU: each CTA's threads are cooperative fibers on one OS thread, switched
+// only where a CUDA thread would wait for others (__syncthreads, warp shuffles and votes, mbarrier
+// waits); __shared__ variables are function statics (one CTA runs at a time); global memory is
+// host memory; the CTAs of a grid run one after another in a shuffled order and each round of a
+// CTA's fibers in a shuffled order, so a kernel that assumes an order between CTAs or lacks a
+// barrier between its threads can fail here as it could on a device.
+//
+// Streams are queues (runtime_emu.cpp): the emulated device works through them in an order of its
+// own, a random amount at each call, so host code that reads a result before it synchronized, or
+// a stream that does not wait for another's event, sees the wrong bytes here as it could on a
+// device. Graphs record the work captured from a stream, parameters included, and replay it.
+// cuBLASLt matmuls run on the CPU (cublaslt_emu.cpp).
 //
 // What it checks: the kernels' arithmetic, indexing, barriers and warp-level exchanges against the
-// CPU reference, including the fused and split paths. What it cannot: timing, memory ordering
-// between CTAs running at once (fences are no-ops here), device math's last-ulp behaviour (expf
-// is the host's), tensor-core accumulation order (mma is summed in float, in k order). Programmatic
-// dependent launch is a no-op: each kernel completes before the next starts.
+// CPU reference, including the fused and split paths; the host code's stream, event and graph
+// order. What it cannot: timing, memory ordering between CTAs running at once (fences are no-ops
+// here), device math's last-ulp behaviour (expf is the host's), tensor-core accumulation order
+// (mma is summed in float, in k order). Programmatic dependent launch is a no-op: each kernel
+// completes before the next starts. One host thread calls the runtime at a time.
 #pragma once
 
 #ifndef TROUPE_CUDA_EMU
@@ -36,6 +43,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -74,11 +82,27 @@ int lane();
 /// Lanes of the caller's warp that have not returned.
 unsigned live_lanes();
 
+/// The runtime's error state: the last error (cudaGetLastError) and the error that poisons the
+/// context once a kernel fails (every later call reports it, as on a device).
+extern cudaError_t last_error, sticky_error;
+/// The scheduler's random numbers (seeded once; TROUPE_EMU_SEED replays a run).
+uint64_t random_u64();
+/// Whether grid, block and smem make a valid launch; records cudaErrorInvalidConfiguration if not.
+bool launch_config_ok(dim3 grid, dim3 block, size_t smem);
+/// Puts work on the stream's queue (runtime_emu.cpp): the emulated device runs it in stream order,
+/// now or later; a capturing stream adds it to its graph. Returns the error the call reports.
+cudaError_t enqueue(cudaStream_t stream, std::function<void()> work);
+
 template <class... Params, class... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
-  // The parameters as the launch converts them, copied into each thread's call as on a device.
-  std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
-  run_grid(grid, block, smem, [&] { std::apply(kernel, params); });
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+  if (!launch_config_ok(grid, block, smem)) return;
+  // The parameters as the launch converts them, kept with the launch (a graph replays them) and
+  // copied into each thread's call as on a device.
+  auto params = std::make_shared<std::tuple<std::decay_t<Params>...>>(std::forward<Args>(args)...);
+  const cudaError_t e = enqueue(stream, [kernel, grid, block, smem, params] {
+    run_grid(grid, block, smem, [&] { std::apply(kernel, *params); });
+  });
+  if (e != cudaSuccess) last_error = e;
 }
 
 // ---- warp exchanges -----------------------------------------------------------------------------
@@ -220,6 +244,12 @@ template <class T>
 T atomicMax(T* p, T v) { const T old = *p; *p = std::max(old, v); return old; }
 template <class T>
 T atomicMin(T* p, T v) { const T old = *p; *p = std::min(old, v); return old; }
+template <class T>
+T atomicXor(T* p, T v) { const T old = *p; *p = old ^ v; return old; }
+template <class T>
+T atomicOr(T* p, T v) { const T old = *p; *p = old | v; return old; }
+template <class T>
+T atomicAnd(T* p, T v) { const T old = *p; *p = old & v; return old; }
 template <class T>
 T atomicCAS(T* p, T cmp, T v) { const T old = *p; if (old == cmp) *p = v; return old; }
 inline unsigned atomicInc(unsigned* p, unsigned limit) { const unsigned old = *p; *p = old >= limit ? 0 : old + 1; return old; }
