@@ -41,7 +41,7 @@ namespace troupe_emu {
 
 uint3 block_idx;
 dim3 grid_dim, block_dim;
-cudaError_t last_error = cudaSuccess;
+thread_local cudaError_t last_error = cudaSuccess;
 cudaError_t sticky_error = cudaSuccess;
 
 namespace {

@@ -20,7 +20,7 @@
 // order. What it cannot: timing, memory ordering between CTAs running at once (fences are no-ops
 // here), device math's last-ulp behaviour (expf is the host's), tensor-core accumulation order
 // (mma is summed in float, in k order). Programmatic dependent launch is a no-op: each kernel
-// completes before the next starts. One host thread calls the runtime at a time.
+// completes before the next starts. Host threads may call the runtime at once: it serializes them.
 #pragma once
 
 #ifndef TROUPE_CUDA_EMU
@@ -82,9 +82,10 @@ int lane();
 /// Lanes of the caller's warp that have not returned.
 unsigned live_lanes();
 
-/// The runtime's error state: the last error (cudaGetLastError) and the error that poisons the
-/// context once a kernel fails (every later call reports it, as on a device).
-extern cudaError_t last_error, sticky_error;
+/// The runtime's error state: the calling thread's last error (cudaGetLastError) and the error
+/// that poisons the context once a kernel fails (every later call reports it, as on a device).
+extern thread_local cudaError_t last_error;
+extern cudaError_t sticky_error;
 /// The scheduler's random numbers (seeded once; TROUPE_EMU_SEED replays a run).
 uint64_t random_u64();
 /// Whether grid, block and smem make a valid launch; records cudaErrorInvalidConfiguration if not.

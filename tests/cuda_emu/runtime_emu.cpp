@@ -9,10 +9,11 @@
 // returns, after the stream's earlier work (the runtime's documented behaviour).
 //
 // Streams: each a queue of work, event records and event waits. The device runs the head of a
-// stream that can run, the one of highest priority (drawn at random when its queue fills from
-// empty): at each enqueue with even odds, a few items at each query, all that a synchronization
-// needs; so the host's view lags the device by a random amount and streams run in any order their
-// events allow. The legacy default stream (0) waits for the
+// stream that can run, the one of highest priority: at each enqueue with even odds, a few items at
+// each query, all that a synchronization needs; so the host's view lags the device by a random
+// amount. A stream's priority is set when its queue fills from empty: with odds of 3 in 4 above
+// every other (the newest burst overtakes older ones, the order that exposes a missing wait
+// between streams), else at random below; streams run in any order their events allow. The legacy default stream (0) waits for the
 // blocking streams and runs its work at once.
 //
 // Graphs: a capturing stream appends its work (kernels with their parameters, copies, memsets) to
@@ -26,6 +27,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <thread>
@@ -62,7 +64,7 @@ struct capture_state {
 
 struct CUstream_st {
   std::deque<troupe_emu::item> q;
-  uint64_t priority = 0;  // drawn when work arrives at an empty queue: the device favours the highest
+  uint64_t priority = 0;  // set when work arrives at an empty queue: the device favours the highest
   bool blocking = true;   // synchronizes with the legacy default stream
   std::unique_ptr<troupe_emu::capture_state> capture;
 };
@@ -90,6 +92,14 @@ device_state& dev() {
   static device_state d;
   return d;
 }
+
+// The runtime is called from several host threads at once (a hot reload builds one forward while
+// another serves): every entry point holds this, and the device's work runs under it.
+std::recursive_mutex& api_mutex() {
+  static std::recursive_mutex m;
+  return m;
+}
+#define TROUPE_EMU_LOCKED const std::lock_guard<std::recursive_mutex> emu_lock_(api_mutex())
 
 size_t capacity() {
   static const size_t bytes = [] {
@@ -161,9 +171,8 @@ void run_front(CUstream_st& s) {
 }
 
 // Runs the head of the stream of highest priority among those that can run; false if none can.
-// Priorities are drawn afresh whenever a stream's queue fills from empty, so one stream's burst of
-// work tends to run all before or all after another's (whichever its draw says) rather than
-// interleaved item by item: a missing wait between them then fails half the time, not rarely.
+// A stream's priority is set whenever its queue fills from empty (put), so one stream's burst of
+// work runs all before or all after another's rather than interleaved item by item.
 bool step() {
   CUstream_st* best = nullptr;
   for (CUstream_st* s : dev().streams)
@@ -234,7 +243,14 @@ cudaError_t put(cudaStream_t s, item it) {
     s->capture->items.push_back(std::move(it));
     return ok();
   }
-  if (s->q.empty()) s->priority = random_u64();
+  if (s->q.empty()) {
+    // Mostly the newest burst runs first: work enqueued later on another stream overtaking what
+    // is still queued is the order that exposes a missing wait, whether the later work reads what
+    // the earlier writes or overwrites what it reads. Sometimes it waits behind older bursts.
+    static uint64_t bursts = 0;
+    ++bursts;
+    s->priority = random_u64() % 4 != 0 ? bursts : random_u64() % bursts;
+  }
   s->q.push_back(std::move(it));
   advance(random_u64() % 2);
   return ok();
@@ -260,6 +276,7 @@ bool copy_ranges_ok(void* dst, const void* src, size_t n, cudaMemcpyKind kind) {
 }  // namespace
 
 cudaError_t enqueue(cudaStream_t stream, std::function<void()> work) {
+  TROUPE_EMU_LOCKED;
   item it;
   it.fn = std::move(work);
   return put(stream, std::move(it));
@@ -274,6 +291,7 @@ extern "C" {
 // ---- errors -------------------------------------------------------------------------------------
 
 cudaError_t cudaGetLastError(void) {
+  TROUPE_EMU_LOCKED;
   const cudaError_t e = last_error;
   last_error = sticky_error;
   return e;
@@ -318,11 +336,16 @@ const char* cudaGetErrorString(cudaError_t e) {
 // ---- device -------------------------------------------------------------------------------------
 
 cudaError_t cudaGetDevice(int* d) {
+  TROUPE_EMU_LOCKED;
   *d = 0;
   return cudaSuccess;
 }
-cudaError_t cudaSetDevice(int d) { return d == 0 ? ok() : fail(cudaErrorInvalidDevice); }
+cudaError_t cudaSetDevice(int d) {
+  TROUPE_EMU_LOCKED;
+  return d == 0 ? ok() : fail(cudaErrorInvalidDevice);
+}
 cudaError_t cudaGetDeviceCount(int* n) {
+  TROUPE_EMU_LOCKED;
   *n = 1;
   return cudaSuccess;
 }
@@ -336,6 +359,7 @@ int env_int(const char* name, int fallback) {
 
 // An H200's shape by default (132 SMs, compute capability 9.0); TROUPE_EMU_SMS changes the count.
 cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr attr, int device) {
+  TROUPE_EMU_LOCKED;
   if (device != 0) return fail(cudaErrorInvalidDevice);
   switch (attr) {
     case cudaDevAttrMultiProcessorCount: *v = env_int("TROUPE_EMU_SMS", 132); break;
@@ -351,6 +375,7 @@ cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr attr, int device) {
   return cudaSuccess;
 }
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int device) {
+  TROUPE_EMU_LOCKED;
   if (device != 0) return fail(cudaErrorInvalidDevice);
   *p = cudaDeviceProp{};
   std::snprintf(p->name, sizeof p->name, "emulated (troupe cuda_emu, H200 shape)");
@@ -371,6 +396,7 @@ cudaError_t cudaFuncSetAttribute(const void*, cudaFuncAttribute, int) { return c
 // Resident CTAs of blockSize threads and dyn bytes of shared memory per SM, by threads and shared
 // memory only (registers unknown here).
 cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, const void*, int block, size_t dyn) {
+  TROUPE_EMU_LOCKED;
   int by_threads = block > 0 ? 2048 / block : 0;
   if (by_threads > 32) by_threads = 32;
   const int by_smem = dyn ? int(228 * 1024 / (dyn + 1024)) : 32;
@@ -378,6 +404,7 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, const void*, i
   return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize(void) {
+  TROUPE_EMU_LOCKED;
   if (const cudaError_t e = refuse_while_capturing("cudaDeviceSynchronize")) return e;
   drain_all();
   return ok();
@@ -386,6 +413,7 @@ cudaError_t cudaDeviceSynchronize(void) {
 // ---- memory -------------------------------------------------------------------------------------
 
 cudaError_t cudaMalloc(void** p, size_t n) {
+  TROUPE_EMU_LOCKED;
   *p = nullptr;
   if (const cudaError_t e = refuse_while_capturing("cudaMalloc")) return e;
   const size_t bytes = (std::max<size_t>(n, 1) + 255) / 256 * 256;
@@ -398,6 +426,7 @@ cudaError_t cudaMalloc(void** p, size_t n) {
   return cudaSuccess;
 }
 cudaError_t cudaFree(void* p) {
+  TROUPE_EMU_LOCKED;
   if (!p) return cudaSuccess;
   if (const cudaError_t e = refuse_while_capturing("cudaFree")) return e;
   auto it = dev().allocations.find(reinterpret_cast<uintptr_t>(p));
@@ -409,11 +438,13 @@ cudaError_t cudaFree(void* p) {
   return ok();
 }
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
+  TROUPE_EMU_LOCKED;
   *total = capacity();
   *free_bytes = capacity() - dev().allocated;
   return ok();
 }
 cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
+  TROUPE_EMU_LOCKED;
   *p = std::aligned_alloc(4096, (std::max<size_t>(n, 1) + 4095) / 4096 * 4096);
   if (!*p) return fail(cudaErrorMemoryAllocation);
   dev().pinned.emplace(reinterpret_cast<uintptr_t>(*p), n);
@@ -421,6 +452,7 @@ cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
 }
 cudaError_t cudaMallocHost(void** p, size_t n) { return cudaHostAlloc(p, n, 0); }
 cudaError_t cudaFreeHost(void* p) {
+  TROUPE_EMU_LOCKED;
   if (!p) return cudaSuccess;
   auto it = dev().pinned.find(reinterpret_cast<uintptr_t>(p));
   if (it == dev().pinned.end()) return fail(cudaErrorInvalidValue);
@@ -430,11 +462,13 @@ cudaError_t cudaFreeHost(void* p) {
   return ok();
 }
 cudaError_t cudaHostRegister(void* p, size_t n, unsigned int) {
+  TROUPE_EMU_LOCKED;
   if (!p || n == 0 || is_pinned(p, 1)) return fail(cudaErrorInvalidValue);
   dev().pinned.emplace(reinterpret_cast<uintptr_t>(p), n);
   return ok();
 }
 cudaError_t cudaHostUnregister(void* p) {
+  TROUPE_EMU_LOCKED;
   auto it = dev().pinned.find(reinterpret_cast<uintptr_t>(p));
   if (it == dev().pinned.end()) return fail(cudaErrorInvalidValue);
   drain_all();
@@ -443,6 +477,7 @@ cudaError_t cudaHostUnregister(void* p) {
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind kind) {
+  TROUPE_EMU_LOCKED;
   if (const cudaError_t e = refuse_while_capturing("cudaMemcpy")) return e;
   kind = infer(dst, src, n, kind);
   if (!copy_ranges_ok(dst, src, n, kind)) return fail(cudaErrorInvalidValue);
@@ -452,6 +487,7 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind kind
   return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind kind, cudaStream_t s) {
+  TROUPE_EMU_LOCKED;
   kind = infer(dst, src, n, kind);
   if (!copy_ranges_ok(dst, src, n, kind)) return fail(cudaErrorInvalidValue);
   if (n == 0) return ok();
@@ -467,6 +503,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind
   return put(s, item{item::work, [dst, src, n] { std::memmove(dst, src, n); }, nullptr, 0});
 }
 cudaError_t cudaMemset(void* p, int v, size_t n) {
+  TROUPE_EMU_LOCKED;
   if (const cudaError_t e = refuse_while_capturing("cudaMemset")) return e;
   if (n && !on_device(p, n)) return fail(cudaErrorInvalidValue);
   drain_blocking();
@@ -475,6 +512,7 @@ cudaError_t cudaMemset(void* p, int v, size_t n) {
   return cudaSuccess;
 }
 cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s) {
+  TROUPE_EMU_LOCKED;
   if (n && !on_device(p, n)) return fail(cudaErrorInvalidValue);
   if (n == 0) return ok();
   return put(s, item{item::work, [p, v, n] { std::memset(p, v, n); }, nullptr, 0});
@@ -483,6 +521,7 @@ cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s) {
 // ---- streams and events -------------------------------------------------------------------------
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
+  TROUPE_EMU_LOCKED;
   auto* st = new CUstream_st;
   st->blocking = (flags & cudaStreamNonBlocking) == 0;
   dev().streams.push_back(st);
@@ -491,6 +530,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
 }
 cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, cudaStreamDefault); }
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  TROUPE_EMU_LOCKED;
   if (is_legacy(s)) return fail(cudaErrorInvalidResourceHandle);
   auto& v = dev().streams;
   auto it = std::find(v.begin(), v.end(), s);
@@ -501,6 +541,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
   return ok();
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  TROUPE_EMU_LOCKED;
   if (!is_legacy(s) && s->capture) {
     invalidate(*s->capture, "cudaStreamSynchronize on the capturing stream");
     return fail(cudaErrorStreamCaptureUnsupported);
@@ -512,6 +553,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   return ok();
 }
 cudaError_t cudaStreamQuery(cudaStream_t s) {
+  TROUPE_EMU_LOCKED;
   if (is_legacy(s)) return ok();
   if (!s->q.empty()) advance(1 + random_u64() % 4);
   if (sticky_error != cudaSuccess) return fail(sticky_error);
@@ -519,37 +561,44 @@ cudaError_t cudaStreamQuery(cudaStream_t s) {
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags) {
+  TROUPE_EMU_LOCKED;
   *e = new CUevent_st;
   (*e)->s->timing = (flags & cudaEventDisableTiming) == 0;
   return ok();
 }
 cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, cudaEventDefault); }
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  TROUPE_EMU_LOCKED;
   delete e;  // records and waits still queued keep its state
   return ok();
 }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  TROUPE_EMU_LOCKED;
   item it{item::record, {}, e->s, 0};
   if (!is_legacy(s) && s->capture) return put(s, std::move(it));  // refused there
   it.seq = ++e->s->recorded;
   return put(s, std::move(it));
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
+  TROUPE_EMU_LOCKED;
   if (e->s->recorded == 0) return ok();  // never recorded: nothing to wait for
   return put(s, item{item::wait, {}, e->s, e->s->recorded});
 }
 cudaError_t cudaEventQuery(cudaEvent_t e) {
+  TROUPE_EMU_LOCKED;
   event_state& st = *e->s;
   if (st.reached < st.recorded) advance(1 + random_u64() % 4);
   if (sticky_error != cudaSuccess) return fail(sticky_error);
   return st.reached >= st.recorded ? cudaSuccess : fail(cudaErrorNotReady);
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  TROUPE_EMU_LOCKED;
   event_state& st = *e->s;
   run_until([&] { return st.reached >= st.recorded; });
   return ok();
 }
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) {
+  TROUPE_EMU_LOCKED;
   if (!a->s->timing || !b->s->timing) return fail(cudaErrorInvalidResourceHandle);
   for (const event_state* st : {a->s.get(), b->s.get()})
     if (st->recorded == 0 || st->reached < st->recorded) return fail(cudaErrorNotReady);
@@ -560,6 +609,7 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) {
 // ---- graphs -------------------------------------------------------------------------------------
 
 cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
+  TROUPE_EMU_LOCKED;
   if (is_legacy(s)) return fail(cudaErrorStreamCaptureUnsupported);
   if (s->capture) return fail(cudaErrorIllegalState);
   s->capture = std::make_unique<capture_state>();
@@ -568,6 +618,7 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
   return ok();
 }
 cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* g) {
+  TROUPE_EMU_LOCKED;
   *g = nullptr;
   if (is_legacy(s) || !s->capture) return fail(cudaErrorIllegalState);
   std::unique_ptr<capture_state> c = std::move(s->capture);
@@ -576,16 +627,19 @@ cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* g) {
   return ok();
 }
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
+  TROUPE_EMU_LOCKED;
   *status = is_legacy(s) || !s->capture ? cudaStreamCaptureStatusNone
             : s->capture->invalid.empty() ? cudaStreamCaptureStatusActive
                                           : cudaStreamCaptureStatusInvalidated;
   return ok();
 }
 cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t g, unsigned long long) {
+  TROUPE_EMU_LOCKED;
   *exec = new CUgraphExec_st{g->items};
   return ok();
 }
 cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
+  TROUPE_EMU_LOCKED;
   if (!is_legacy(s) && s->capture) {
     invalidate(*s->capture, "a graph launched into a capture (not emulated)");
     return fail(cudaErrorStreamCaptureUnsupported);
@@ -595,10 +649,12 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
   return ok();
 }
 cudaError_t cudaGraphDestroy(cudaGraph_t g) {
+  TROUPE_EMU_LOCKED;
   delete g;
   return cudaSuccess;
 }
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  TROUPE_EMU_LOCKED;
   delete exec;
   return cudaSuccess;
 }
