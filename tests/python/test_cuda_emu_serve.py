@@ -85,3 +85,22 @@ def test_sequences_swapped_to_host_and_back_generate_as_with_room():
     for (roomy_text, roomy_lp), (tight_text, tight_lp) in zip(out["64"], out["1"]):
         assert tight_text == roomy_text
         assert max(abs(a - b) for a, b in zip(roomy_lp, tight_lp)) <= 0.2, (roomy_lp, tight_lp)
+
+
+def test_penalties_applied_on_the_device_pick_what_the_host_picks():
+    """Greedy with repetition, frequency and presence penalties: sampled on the device (the
+    executor uploads each row's penalty window), and with logprobs, which makes the executor
+    sample on the host from the same device logits. The two must agree token for token: the same
+    logits, only the penalties' code differs. (Against the CPU server they may part where a
+    growing frequency penalty brings two tokens level: a tie any logits noise moves by a step.)"""
+    prompt = "Once upon a time, in a small village by the sea,"
+    penalties = [{"repetition_penalty": 1.3}, {"frequency_penalty": 0.8, "presence_penalty": 0.4},
+                 {"repetition_penalty": 1.2, "frequency_penalty": 0.3, "presence_penalty": 0.2}]
+    with running_server("--model", str(MODEL), "--device", "cuda", start_timeout=120) as (port, _):
+        for p in penalties:
+            body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True, **p}
+            st, device = request(port, "POST", "/v1/completions", body, timeout=600)
+            assert st == 200, device
+            st, host = request(port, "POST", "/v1/completions", {**body, "logprobs": 1}, timeout=600)
+            assert st == 200, host
+            assert device["choices"][0]["text"] == host["choices"][0]["text"], p
