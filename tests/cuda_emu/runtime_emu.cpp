@@ -202,21 +202,16 @@ void drain(CUstream_st* s) {
   run_until([s] { return s->q.empty(); });
 }
 
-void drain_blocking() {
-  run_until([] {
+// Runs every stream's work (only the blocking streams' with blocking_only) to the end.
+void drain_all(bool blocking_only = false) {
+  run_until([blocking_only] {
     for (CUstream_st* s : dev().streams)
-      if (s->blocking && !s->q.empty()) return false;
+      if ((s->blocking || !blocking_only) && !s->q.empty()) return false;
     return true;
   });
 }
 
-void drain_all() {
-  run_until([] {
-    for (CUstream_st* s : dev().streams)
-      if (!s->q.empty()) return false;
-    return true;
-  });
-}
+void drain_blocking() { drain_all(true); }
 
 cudaError_t put(cudaStream_t s, item it) {
   if (is_legacy(s)) {
@@ -536,7 +531,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
   auto it = std::find(v.begin(), v.end(), s);
   if (it == v.end()) return fail(cudaErrorInvalidResourceHandle);
   drain(s);  // its work completes, as on a device
-  v.erase(std::find(v.begin(), v.end(), s));
+  v.erase(it);
   delete s;
   return ok();
 }
