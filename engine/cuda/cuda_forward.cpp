@@ -57,7 +57,11 @@ cuda_forward::cuda_forward(synthetic_tag, const model_hparams& hp, const cuda_op
 }
 
 std::unique_ptr<cuda_forward> cuda_forward::synthetic(const std::string& arch, const cuda_options& o) {
-  return std::unique_ptr<cuda_forward>(new cuda_forward(synthetic_tag{}, synthetic_hparams(arch), o));
+  return synthetic(synthetic_hparams(arch), o);
+}
+
+std::unique_ptr<cuda_forward> cuda_forward::synthetic(const model_hparams& hp, const cuda_options& o) {
+  return std::unique_ptr<cuda_forward>(new cuda_forward(synthetic_tag{}, hp, o));
 }
 
 cuda_forward::~cuda_forward() {

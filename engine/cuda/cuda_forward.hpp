@@ -148,6 +148,8 @@ class cuda_forward {
   cuda_forward(const model& m, const cuda_options& o);
   /// Random bf16 weights for a named architecture (synthetic_hparams), generated on the device.
   static std::unique_ptr<cuda_forward> synthetic(const std::string& arch, const cuda_options& o);
+  /// The same for given hyper-parameters (a named architecture's, e.g. with fewer layers).
+  static std::unique_ptr<cuda_forward> synthetic(const model_hparams& hp, const cuda_options& o);
   ~cuda_forward();
   cuda_forward(const cuda_forward&) = delete;
   cuda_forward& operator=(const cuda_forward&) = delete;

@@ -1,5 +1,6 @@
 #include "engine/cuda/cuda_util.hpp"
 
+#include <cstdio>
 #include <string>
 #include <thread>
 #include <utility>
@@ -8,7 +9,13 @@ namespace troupe::engine::cuda {
 
 namespace {
 
-std::string mib(size_t bytes) { return std::to_string(bytes >> 20) + " MiB"; }
+// A size for an error message: KiB under 1 MiB (a small buffer is not "0 MiB"), else MiB to 0.1.
+std::string mib(size_t bytes) {
+  char s[48];
+  if (bytes < (size_t{1} << 20)) std::snprintf(s, sizeof s, "%zu KiB", (bytes + 1023) >> 10);
+  else std::snprintf(s, sizeof s, "%.1f MiB", (double)bytes / (1 << 20));
+  return s;
+}
 
 }  // namespace
 

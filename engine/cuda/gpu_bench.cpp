@@ -2,11 +2,18 @@
 //
 //   troupe_gpu_bench [--arch llama-3-8b] [--context 512] [--steps 20] [--device 0] [--decode-only B]
 //                    [--streamed 0|1] [--fused 0|1] [--fold 0|1] [--prefetch BYTES]
+//                    [--layers N] [--vocab V] [--d-model D] [--heads H] [--kv-heads H] [--d-ff F] [--smoke 0|1]
 //
 // --decode-only B: only the model and its decode steps at batch B (one line), for a profiler
 // (scripts/gpu-profile); --streamed 1 makes those steps use gemv_bf16_streamed (default pipeline),
 // --fused 1 the fused launches (launch_options::gemv_swiglu, gemv_rope, attention_last_cta_merge), --fold 1
 // RMSNorm in the GEMVs (gemv_fold_norm), --prefetch launch_options::bf16_gemv_prefetch_bytes.
+// --layers, --vocab, --d-model, --heads, --kv-heads, --d-ff: the architecture with these instead
+// (head_dim stays the architecture's).
+// --smoke 1: every figure and variant at toy sizes (16 MiB copies, 256^3 GEMM, 64-token prefill,
+// 2 MiB of weight copies a GEMM shape, two timed calls): a check that each runs, for the CPU
+// emulation (troupe_gpu_bench_emu, tests/python/test_gpu_bench_emu.py); its figures mean nothing.
+// Figures named by a size (gemm_bf16_8192, prefill_2048) take the size run.
 //
 // - d2d_copy_bandwidth: cudaMemcpy of 2 GiB device to device, best of 5, counting bytes read
 //   plus bytes written (2 x 2 GiB per copy): the rate HBM sustains for a pure stream.
@@ -62,6 +69,16 @@ constexpr std::chrono::milliseconds wait_limit{20000};
 
 void line(const std::string& name, double value, const char* unit) { std::printf("%s %.4g %s\n", name.c_str(), value, unit); }
 
+// Sizes of the figures: the device's (default) or toy ones (--smoke 1).
+struct sizes {
+  size_t stream_bytes = size_t{2} << 30;  // copy and read benchmarks
+  int gemm = 8192;                        // the square GEMM
+  int prefill = 2048;                     // prefill chunk, and the GEMM rows of its shapes
+  size_t spill_bytes = size_t{256} << 20;  // weight copies a decode GEMM shape cycles through (past the L2)
+  int warm = 3, timed = 20;                // time_on_stream's calls
+};
+sizes sz;
+
 // Times `fn` (enqueueing on s) with events: seconds per call, mean of n after `warm` warm-ups.
 template <class Fn>
 double time_on_stream(cudaStream_t s, int warm, int n, Fn&& fn) {
@@ -82,7 +99,7 @@ double time_on_stream(cudaStream_t s, int warm, int n, Fn&& fn) {
 
 // Bytes moved per second by a 2 GiB device-to-device copy (read + write), best of 5.
 double copy_bandwidth(cudaStream_t s) {
-  const size_t bytes = size_t{2} << 30;
+  const size_t bytes = sz.stream_bytes;
   ec::device_buffer a(bytes, "the copy benchmark source"), b(bytes, "the copy benchmark destination");
   kc::check(cudaMemsetAsync(a.as<void>(), 1, bytes, s), "cudaMemset");
   double best = 1e30;
@@ -97,7 +114,7 @@ double copy_bandwidth(cudaStream_t s) {
 // 5 at each grid size of 1 to 16 CTAs of 256 threads per SM: the read rate the weight GEMVs of a
 // decode step could reach. Prints one line per grid size.
 double read_bandwidth(cudaStream_t s, int dev) {
-  const size_t bytes = size_t{2} << 30;
+  const size_t bytes = sz.stream_bytes;
   ec::device_buffer a(bytes, "the read benchmark source"), sum(sizeof(uint32_t), "the read checksum");
   kc::check(cudaMemsetAsync(a.as<void>(), 1, bytes, s), "cudaMemset");
   int sms = 0;
@@ -120,7 +137,7 @@ double gemm_rate(ec::gemm_runner& g, cudaStream_t s, int m, int n, int k) {
   ec::device_buffer x((size_t)m * k * 2, "GEMM x"), w((size_t)n * k * 2, "GEMM w"), y((size_t)m * n * 2, "GEMM y");
   ec::fill_uniform_bf16(x.as<ec::bf16>(), (int64_t)m * k, 1.0f, 1, s);
   ec::fill_uniform_bf16(w.as<ec::bf16>(), (int64_t)n * k, 0.02f, 2, s);
-  const double t = time_on_stream(s, 3, 20, [&] { g.run(x.as<ec::bf16>(), w.as<ec::bf16>(), y.as<void>(), ec::gemm_out::bf16, m, n, k, s); });
+  const double t = time_on_stream(s, sz.warm, sz.timed, [&] { g.run(x.as<ec::bf16>(), w.as<ec::bf16>(), y.as<void>(), ec::gemm_out::bf16, m, n, k, s); });
   return 2.0 * m * n * k / t;
 }
 
@@ -147,7 +164,7 @@ double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams&
   for (int i = 0; i < 5; ++i) {
     const int n = (int)shapes[i][0], k = (int)shapes[i][1];
     const size_t bytes = (size_t)n * k * 2;
-    const int copies = std::max(2, (int)((size_t{256} << 20) / bytes) + 1);
+    const int copies = std::max(2, (int)(sz.spill_bytes / bytes) + 1);
     std::vector<ec::device_buffer> w;
     for (int c = 0; c < copies; ++c) {
       w.emplace_back(bytes, "decode GEMM weights");
@@ -156,7 +173,7 @@ double decode_gemm_time(ec::gemm_runner& g, cudaStream_t s, const model_hparams&
     int next = 0;
     const bool head = i == 4;
     const ec::gemm_out out = head ? ec::gemm_out::f32 : ec::gemm_out::bf16;
-    const double t = time_on_stream(s, copies, 4 * copies, [&] {
+    const double t = time_on_stream(s, copies, std::min(4 * copies, sz.timed), [&] {
       const ec::bf16* wi = w[(size_t)(next++ % copies)].as<ec::bf16>();
       if (head || path == layer_gemm::cublas)
         g.run(x.as<ec::bf16>(), wi, y.as<void>(), out, batch, n, k, s);
@@ -181,6 +198,8 @@ struct args {
   bool fused = false;     // ... with launch_options::gemv_swiglu, gemv_rope and attention_last_cta_merge
   bool fold = false;      // ... with launch_options::gemv_fold_norm
   int prefetch = 0;       // ... and bf16_gemv_prefetch_bytes
+  int layers = 0, vocab = 0, d_model = 0, heads = 0, kv_heads = 0, d_ff = 0;  // > 0: instead of the architecture's
+  bool smoke = false;         // toy sizes (sizes above)
 };
 
 args parse(int argc, char** argv) {
@@ -198,9 +217,18 @@ args parse(int argc, char** argv) {
     else if (k == "--fused") a.fused = std::stoi(v) != 0;
     else if (k == "--fold") a.fold = std::stoi(v) != 0;
     else if (k == "--prefetch") a.prefetch = std::stoi(v);
-    else throw std::invalid_argument("unknown option " + k + " (--arch, --context, --steps, --device, --decode-only, --streamed, --fused, --fold, --prefetch)");
+    else if (k == "--layers") a.layers = std::stoi(v);
+    else if (k == "--vocab") a.vocab = std::stoi(v);
+    else if (k == "--d-model") a.d_model = std::stoi(v);
+    else if (k == "--heads") a.heads = std::stoi(v);
+    else if (k == "--kv-heads") a.kv_heads = std::stoi(v);
+    else if (k == "--d-ff") a.d_ff = std::stoi(v);
+    else if (k == "--smoke") a.smoke = std::stoi(v) != 0;
+    else throw std::invalid_argument("unknown option " + k + " (--arch, --context, --steps, --device, --decode-only, --streamed, --fused, --fold, --prefetch, --layers, --vocab, --d-model, --heads, --kv-heads, --d-ff, --smoke)");
   }
   if (a.context < a.steps + 4 || a.steps < 1) throw std::invalid_argument("--context must exceed --steps + 3, --steps >= 1");
+  if (std::min({a.layers, a.vocab, a.d_model, a.heads, a.kv_heads, a.d_ff}) < 0)
+    throw std::invalid_argument("--layers, --vocab, --d-model, --heads, --kv-heads and --d-ff must be positive (0: the architecture's)");
   return a;
 }
 
@@ -238,8 +266,15 @@ void run(const args& a) {
   ec::select_device(a.device);
   cudaDeviceProp prop{};
   kc::check(cudaGetDeviceProperties(&prop, a.device), "cudaGetDeviceProperties");
-  std::printf("# device %s, arch %s, context %d, %d timed steps\n", prop.name, a.arch.c_str(), a.context, a.steps);
-  const model_hparams hp = ec::synthetic_hparams(a.arch);
+  model_hparams hp = ec::synthetic_hparams(a.arch);
+  for (auto [v, field] : {std::pair{a.layers, &hp.n_layers}, {a.vocab, &hp.n_vocab}, {a.d_model, &hp.d_model},
+                          {a.heads, &hp.n_heads}, {a.kv_heads, &hp.n_kv_heads}, {a.d_ff, &hp.d_ff}})
+    if (v > 0) *field = v;
+  if (hp.n_heads % hp.n_kv_heads != 0) throw std::invalid_argument("--heads must be a multiple of --kv-heads");
+  if (a.smoke) sz = sizes{size_t{16} << 20, 256, 64, size_t{2} << 20, 1, 2};
+  std::printf("# device %s, arch %s (%d layers, d_model %d, %d/%d heads of %d, d_ff %d, vocabulary %d), context %d, %d timed steps%s\n",
+              prop.name, a.arch.c_str(), hp.n_layers, hp.d_model, hp.n_heads, hp.n_kv_heads, hp.head_dim, hp.d_ff, hp.n_vocab,
+              a.context, a.steps, a.smoke ? ", toy sizes (--smoke 1)" : "");
   ec::stream_handle stream;
   const cudaStream_t s = stream.get();
 
@@ -254,7 +289,7 @@ void run(const args& a) {
     o.launch.gemv_swiglu = o.launch.attention_last_cta_merge = o.launch.gemv_rope = a.fused;
     o.launch.gemv_fold_norm = a.fold;
     o.launch.bf16_gemv_prefetch_bytes = a.prefetch;
-    auto f = ec::cuda_forward::synthetic(a.arch, o);
+    auto f = ec::cuda_forward::synthetic(hp, o);
     if (a.fold && !f->fold_norm(a.decode_only)) std::printf("# --fold 1: these steps do not fold RMSNorm (not all GEMVs are gemv_bf16)\n");
     line("decode_b" + std::to_string(a.decode_only) + "_step", decode_step_time(*f, a.decode_only, a) * 1e3, "ms");
     return;
@@ -272,15 +307,16 @@ void run(const args& a) {
   double gemm_8192 = 0.0, prefill_gemm_flops = 0.0, prefill_gemm_time = 0.0;
   {
     ec::gemm_runner g;
-    gemm_8192 = gemm_rate(g, s, 8192, 8192, 8192);
-    line("gemm_bf16_8192", gemm_8192 / 1e12, "TFLOP/s");
+    gemm_8192 = gemm_rate(g, s, sz.gemm, sz.gemm, sz.gemm);
+    line("gemm_bf16_" + std::to_string(sz.gemm), gemm_8192 / 1e12, "TFLOP/s");
     const int64_t qkv = (int64_t)(hp.n_heads + 2 * hp.n_kv_heads) * hp.head_dim, qd = (int64_t)hp.n_heads * hp.head_dim;
     const int64_t shapes[4][2] = {{qkv, hp.d_model}, {hp.d_model, qd}, {2 * (int64_t)hp.d_ff, hp.d_model}, {hp.d_model, hp.d_ff}};
     for (const auto& sh : shapes) {
-      const double r = gemm_rate(g, s, 2048, (int)sh[0], (int)sh[1]);
-      line("gemm_bf16_m2048_n" + std::to_string(sh[0]) + "_k" + std::to_string(sh[1]), r / 1e12, "TFLOP/s");
-      prefill_gemm_flops += 2.0 * 2048 * (double)sh[0] * (double)sh[1];
-      prefill_gemm_time += 2.0 * 2048 * (double)sh[0] * (double)sh[1] / r;
+      const double r = gemm_rate(g, s, sz.prefill, (int)sh[0], (int)sh[1]);
+      line("gemm_bf16_m" + std::to_string(sz.prefill) + "_n" + std::to_string(sh[0]) + "_k" + std::to_string(sh[1]), r / 1e12,
+           "TFLOP/s");
+      prefill_gemm_flops += 2.0 * sz.prefill * (double)sh[0] * (double)sh[1];
+      prefill_gemm_time += 2.0 * sz.prefill * (double)sh[0] * (double)sh[1] / r;
     }
     line("gemm_bf16_prefill_shapes", prefill_gemm_flops / prefill_gemm_time / 1e12, "TFLOP/s");
   }
@@ -293,10 +329,10 @@ void run(const args& a) {
   o.weights.mode = ec::weights_mode::bf16;
   o.block_size = bs;
   o.max_seqs = 256;
-  o.max_context = std::max(a.context, 2048);
-  o.max_batch_tokens = 2048;
-  o.n_blocks = std::max(256 * kv_blocks_for(a.context, bs), kv_blocks_for(2048, bs));
-  auto f = ec::cuda_forward::synthetic(a.arch, o);
+  o.max_context = std::max(a.context, sz.prefill);
+  o.max_batch_tokens = sz.prefill;
+  o.n_blocks = std::max(256 * kv_blocks_for(a.context, bs), kv_blocks_for(sz.prefill, bs));
+  auto f = ec::cuda_forward::synthetic(hp, o);
   line("device_memory_used", (double)f->device_bytes() / (1 << 30), "GiB");
   const double weight_bytes = (double)f->decode_bytes_per_token();
   line("weight_bytes", weight_bytes / 1e9, "GB");
@@ -408,14 +444,15 @@ void run(const args& a) {
     eo.use_graphs = false;
     eo.n_blocks = kv_blocks_for(a.context, bs) + 1;
     f.reset();  // one copy of the weights at a time
-    auto e = ec::cuda_forward::synthetic(a.arch, eo);
+    auto e = ec::cuda_forward::synthetic(hp, eo);
     line("decode_b1_eager_step", decode_step_time(*e, 1, a) * 1e3, "ms");
     e.reset();
-    f = ec::cuda_forward::synthetic(a.arch, o);
+    f = ec::cuda_forward::synthetic(hp, o);
   }
 
   {
-    const int T = 2048;
+    const int T = sz.prefill;
+    const std::string p = "prefill_" + std::to_string(T), g8 = "gemm_" + std::to_string(sz.gemm);
     std::vector<token_id> tokens(T);
     std::mt19937 g(3);
     for (auto& t : tokens) t = (token_id)(g() % (unsigned)hp.n_vocab);
@@ -435,10 +472,10 @@ void run(const args& a) {
     const double layer_params = d * (qd + 2 * kvd) + qd * d + 3.0 * d * hp.d_ff;
     const double flops = 2.0 * layer_params * hp.n_layers * T + 2.0 * d * hp.n_vocab +
                          (double)hp.n_layers * 4.0 * qd * ((double)T * (T + 1) / 2.0);
-    line("prefill_2048", best * 1e3, "ms");
-    line("prefill_2048_tflops", flops / best / 1e12, "TFLOP/s");
-    line("prefill_2048_fraction_of_gemm_8192", flops / best / gemm_8192, "x");
-    line("prefill_2048_fraction_of_gemm_prefill_shapes", flops / best / (prefill_gemm_flops / prefill_gemm_time), "x");
+    line(p, best * 1e3, "ms");
+    line(p + "_tflops", flops / best / 1e12, "TFLOP/s");
+    line(p + "_fraction_of_" + g8, flops / best / gemm_8192, "x");
+    line(p + "_fraction_of_gemm_prefill_shapes", flops / best / (prefill_gemm_flops / prefill_gemm_time), "x");
   }
   {
     // First runs on a device (written without one): the fused launches, the folded RMSNorm, the
