@@ -94,3 +94,17 @@ def test_bad_arguments_are_refused():
                        (["--frobnicate", "1"], "unknown option")):
         r = run_bench([*args, "--smoke", "1"], timeout=60)
         assert r.returncode == 1 and says in r.stderr, (args, r.stderr)
+
+
+@pytest.mark.parametrize("options, folds", [(["--decode-only", "1", "--fused", "1", "--fold", "1", "--prefetch", "2048"], True),
+                                            (["--decode-only", "2", "--streamed", "1"], None),
+                                            (["--decode-only", "1", "--streamed", "1", "--fold", "1"], False)])
+def test_the_profilers_decode_only_runs(options, folds):
+    """scripts/gpu-profile's runs: the model and its decode steps alone, under the options it passes."""
+    r = run_bench([*options, *SHAPE, "--context", "160", "--steps", "1"], timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    batch = options[1]
+    assert re.search(rf"^decode_b{batch}_step [0-9.e+]+ ms$", r.stdout, re.M), r.stdout
+    # The streamed GEMV is not gemv_bf16, so RMSNorm stays in its own kernels, and the run says so.
+    if folds is not None:
+        assert ("do not fold RMSNorm" in r.stdout) == (not folds), r.stdout
