@@ -395,8 +395,8 @@ __global__ void __launch_bounds__(dec_threads)
       float l[subs][GT];
     } red;
   };
-  __shared__ smem_t sm;
-  __shared__ bool merge_here;
+  TROUPE_SHARED(smem_t, sm);
+  TROUPE_SHARED(bool, merge_here);
 
   pdl_launch_dependents();
   pdl_wait();

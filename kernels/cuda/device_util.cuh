@@ -45,7 +45,25 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+/// T as a type name a declaration can put before the variable's name, arrays included
+/// (std::type_identity is C++20; .cu files are C++17): for TROUPE_SHARED.
+template <class T>
+struct shared_decl {
+  using type = T;
+};
+
 }  // namespace troupe::kernels::cuda
+
+/// `__shared__ T name`, a static shared variable (arrays too: TROUPE_SHARED(float[4][8], sums)); in
+/// the CPU emulation build (tests/cuda_emu) storage of the running CTA's own, so CTAs suspended
+/// mid-kernel keep theirs.
+#ifdef TROUPE_CUDA_EMU
+#define TROUPE_SHARED(T, name)  \
+  static char name##_emu_key_; \
+  auto& name = *static_cast<typename ::troupe::kernels::cuda::shared_decl<T>::type*>(::troupe_emu::cta_static(&name##_emu_key_, sizeof(T), alignof(T)))
+#else
+#define TROUPE_SHARED(T, name) __shared__ typename ::troupe::kernels::cuda::shared_decl<T>::type name
+#endif
 
 /// `extern __shared__ __align__(A) T name[]`, the launch's dynamic shared memory; in the CPU
 /// emulation build (tests/cuda_emu) the running CTA's buffer.

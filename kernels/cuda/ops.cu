@@ -90,7 +90,7 @@ __device__ __forceinline__ void store(bf16* p, const float (&v)[V]) {
 
 // Sum over the block (blockDim.x a multiple of 32); every thread gets it. Call once per kernel.
 __device__ float block_sum(float v) {
-  __shared__ float part[32];
+  TROUPE_SHARED(float[32], part);
   v = warp_sum(v);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) part[warp] = v;

@@ -302,7 +302,8 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_kernel(const bf16* 
   } else {
     // Residual add as add_rmsnorm does it (x + float(bf16 y)), then the normalized input of the
     // next GEMV before its scale, and this CTA's sum of squares per batch row (rows in order).
-    __shared__ float sums[gemv_warps][B], squares[gemv_warps][B];
+    TROUPE_SHARED(float[gemv_warps][B], sums);
+    TROUPE_SHARED(float[gemv_warps][B], squares);
     gemv_bf16_cta_dots<B, Reader>(o < n_out ? w + o * n_in : nullptr, n_in, x, norm, prefetch_bytes, sums);
     if (threadIdx.x < gemv_warps * B) {
       const int k = threadIdx.x / B, b = threadIdx.x % B;
@@ -337,7 +338,7 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_swiglu_kernel(const
                                                                            bf16* __restrict__ act, int prefetch_bytes,
                                                                            gemv_norm norm) {
   static_assert(gemv_warps == 4, "two gate and two up rows a CTA");
-  __shared__ float sums[gemv_warps][B];
+  TROUPE_SHARED(float[gemv_warps][B], sums);
   pdl_launch_dependents();
   const int warp = threadIdx.x >> 5;
   const int64_t j = int64_t(blockIdx.x) * 2 + (warp & 1);
@@ -364,7 +365,7 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_rope_kernel(const b
                                                                          const bf16* __restrict__ x, qkv_rope_args r,
                                                                          int prefetch_bytes, gemv_norm norm) {
   static_assert(gemv_warps == 4, "two work items of two columns a CTA");
-  __shared__ float sums[gemv_warps][B];
+  TROUPE_SHARED(float[gemv_warps][B], sums);
   pdl_launch_dependents();
   const rope_params& rp = r.rope;
   const int warp = threadIdx.x >> 5;

@@ -34,6 +34,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/launch.cuh"
 
 namespace troupe::kernels::cuda {
@@ -308,7 +309,7 @@ __device__ int nth_tie(const float* l, int n, uint32_t v, const InSet& in_set, u
 __global__ void __launch_bounds__(sample_threads)
     sample_kernel(float* logits, int n, const sample_row_params* params, const int32_t* history,
                   const int32_t* hist_start, int32_t* counts, int32_t* out_tokens) {
-  __shared__ row_smem sm;
+  TROUPE_SHARED(row_smem, sm);
   const int r = blockIdx.x;
   float* l = logits + int64_t(r) * n;
   const sample_row_params p = params[r];

@@ -47,6 +47,7 @@ cudaError_t sticky_error = cudaSuccess;
 namespace {
 
 constexpr size_t stack_bytes = 256 * 1024;
+constexpr size_t static_smem_limit = 48 * 1024;  // a device's limit for static shared memory per CTA
 
 struct trap_exception {
   const char* why;
@@ -90,20 +91,38 @@ struct warp_state {
   }
 };
 
-// The running CTA (one at a time) and the launch state.
-struct state {
-  std::vector<fiber> fibers;  // a pool: stacks kept across CTAs and launches
+// A resident CTA: its threads' fibers, barriers, and shared memory.
+struct cta_slot {
+  std::vector<fiber> fibers;  // a pool: stacks kept across the CTAs that use this slot
   std::vector<warp_state> warps;
   barrier bar;
-  int live = 0;
+  int live = 0;  // threads that have not returned
+  size_t n_threads = 0;
+  uint3 idx{};
+  std::vector<int> order;  // its fibers' visiting order (shuffled once a CTA)
+  bool forward = true;
+  std::vector<unsigned char> dyn_store;
+  unsigned char* dyn = nullptr;
+  size_t dyn_bytes = 0;
+  std::unique_ptr<unsigned char[]> statics;  // static shared variables (TROUPE_SHARED), static_smem_limit bytes
+  size_t statics_used = 0;
+  std::vector<std::pair<const void*, size_t>> static_at;  // each variable's key and offset, in first-use order
+  bool active = false;
+};
+
+// The launch state: up to `resident` CTAs at once, one running.
+struct state {
+  std::vector<cta_slot> slots;
+  cta_slot* cta = nullptr;   // the running CTA
+  size_t resident = 0;       // CTAs started and not finished
+  bool switch_requested = false;
   void* sched_sp = nullptr;
   fiber* cur = nullptr;
   const std::function<void()>* body = nullptr;
-  unsigned char* dyn = nullptr;
-  size_t dyn_bytes = 0;
   bool aborted = false;
   std::string error;
   uint64_t progress = 0;  // barrier releases, satisfied polls, fibers that ended
+  uint64_t switches = 0;  // CTA switches at global atomics and fences
   std::mt19937_64 rng;
   bool seeded = false;
 };
@@ -131,12 +150,13 @@ int popcount(unsigned m) { return __builtin_popcount(m); }
 
 // A fiber that returned: the barriers its CTA and warp wait at no longer count it.
 void retire(fiber& f) {
+  cta_slot& c = *g.cta;
   f.done = true;
   ++g.progress;
-  --g.live;
-  warp_state& w = g.warps[f.warp];
+  --c.live;
+  warp_state& w = c.warps[f.warp];
   w.live &= ~(1u << f.lane);
-  if (g.bar.arrived > 0 && g.bar.arrived >= g.live) release(g.bar);
+  if (c.bar.arrived > 0 && c.bar.arrived >= c.live) release(c.bar);
   for (barrier& b : w.bars)
     if (b.arrived > 0 && b.arrived >= popcount(b.mask & w.live)) release(b);
 }
@@ -172,12 +192,12 @@ void* fresh_stack(void* stack) {
   return p;
 }
 
-void ensure_fibers(size_t n) {
-  while (g.fibers.size() < n) {
+void ensure_fibers(cta_slot& c, size_t n) {
+  while (c.fibers.size() < n) {
     fiber f;
     f.stack = mmap(nullptr, stack_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (f.stack == MAP_FAILED) throw std::bad_alloc();
-    g.fibers.push_back(f);
+    c.fibers.push_back(f);
   }
 }
 
@@ -190,20 +210,32 @@ void seed_once() {
   g.rng.seed(seed);
 }
 
-// Runs one CTA's fibers to completion (or to a trap or deadlock: g.aborted).
-void run_cta(size_t n_threads) {
-  ensure_fibers(n_threads);
+// Starts CTA `idx` of n_threads threads (and smem bytes of dynamic shared memory) in slot c.
+void start_cta(cta_slot& c, uint3 idx, size_t n_threads, size_t smem) {
+  ensure_fibers(c, n_threads);
   const size_t n_warps = (n_threads + 31) / 32;
-  g.warps.assign(n_warps, warp_state{});
+  c.warps.assign(n_warps, warp_state{});
   for (size_t w = 0; w < n_warps; ++w) {
     const size_t lanes = std::min<size_t>(32, n_threads - w * 32);
-    g.warps[w].live = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1;
+    c.warps[w].live = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1;
   }
-  g.bar = barrier{};
-  g.live = int(n_threads);
-  if (g.dyn) std::memset(g.dyn, 0xFF, g.dyn_bytes);  // uninitialized shared memory reads as NaN
+  c.bar = barrier{};
+  c.live = int(n_threads);
+  c.n_threads = n_threads;
+  c.idx = idx;
+  if (smem) {
+    c.dyn_store.resize(smem + 128);
+    c.dyn = c.dyn_store.data() + (128 - reinterpret_cast<uintptr_t>(c.dyn_store.data()) % 128) % 128;
+    std::memset(c.dyn, 0xFF, smem);  // uninitialized shared memory reads as NaN
+  } else {
+    c.dyn = nullptr;
+  }
+  c.dyn_bytes = smem;
+  if (!c.statics) c.statics = std::make_unique<unsigned char[]>(static_smem_limit);
+  c.statics_used = 0;
+  c.static_at.clear();
   for (size_t i = 0; i < n_threads; ++i) {
-    fiber& f = g.fibers[i];
+    fiber& f = c.fibers[i];
     f.tid = uint3{unsigned(i % block_dim.x), unsigned(i / block_dim.x % block_dim.y), unsigned(i / (block_dim.x * block_dim.y))};
     f.warp = int(i / 32), f.lane = int(i % 32);
     f.done = false, f.waiting = nullptr, f.spinning = false, f.exchanges = 0;
@@ -211,16 +243,30 @@ void run_cta(size_t n_threads) {
   }
   // Rounds visit the fibers in one shuffled order, each from a random start, alternately forward
   // and backward (a fresh shuffle a round cost more than the fibers' work in warp-heavy kernels).
-  std::vector<int> order(n_threads);
-  for (size_t i = 0; i < n_threads; ++i) order[i] = int(i);
-  std::shuffle(order.begin(), order.end(), g.rng);
-  for (bool forward = true; g.live > 0 && !g.aborted; forward = !forward) {
+  c.order.resize(n_threads);
+  for (size_t i = 0; i < n_threads; ++i) c.order[i] = int(i);
+  std::shuffle(c.order.begin(), c.order.end(), g.rng);
+  c.forward = true;
+  c.active = true;
+}
+
+// Makes c the running CTA.
+void switch_to(cta_slot& c) {
+  g.cta = &c;
+  block_idx = c.idx;
+}
+
+// Runs rounds of the running CTA's fibers until they have all returned, the launch aborts (a trap
+// or a deadlock), or a fiber asks to let another CTA run (switch_point).
+void run_rounds(cta_slot& c) {
+  const size_t n = c.n_threads;
+  for (; c.live > 0 && !g.aborted; c.forward = !c.forward) {
     const uint64_t before = g.progress;
     bool ran = false;
-    const size_t start = size_t(g.rng() % n_threads);
-    for (size_t k = 0; k < n_threads; ++k) {
-      const size_t at = forward ? (start + k) % n_threads : (start + n_threads - k) % n_threads;
-      fiber& f = g.fibers[size_t(order[at])];
+    const size_t start = size_t(g.rng() % n);
+    for (size_t k = 0; k < n; ++k) {
+      const size_t at = c.forward ? (start + k) % n : (start + n - k) % n;
+      fiber& f = c.fibers[size_t(c.order[at])];
       if (f.done || (f.waiting && f.waiting->gen == f.wait_gen)) continue;
       f.spinning = false;
       g.cur = &f;
@@ -228,6 +274,10 @@ void run_cta(size_t n_threads) {
       g.cur = nullptr;
       ran = ran || !f.spinning;
       if (g.aborted) break;
+      if (g.switch_requested) {  // an interrupted round proves nothing about a deadlock
+        g.switch_requested = false;
+        return;
+      }
     }
     if (!g.aborted && !ran && g.progress == before) {
       g.aborted = true;
@@ -236,13 +286,22 @@ void run_cta(size_t n_threads) {
   }
 }
 
+size_t resident_limit() {
+  static const size_t n = [] {
+    const char* s = std::getenv("TROUPE_EMU_RESIDENT_CTAS");
+    const long v = s ? std::strtol(s, nullptr, 10) : 4;
+    return size_t(std::clamp(v, 1L, 64L));
+  }();
+  return n;
+}
+
 }  // namespace
 
 const uint3& thread_idx() { return g.cur->tid; }
-unsigned char* dynamic_smem() { return g.dyn; }
+unsigned char* dynamic_smem() { return g.cta->dyn; }
 int lane() { return g.cur->lane; }
 uint64_t* exchange_slots(unsigned mask) {
-  warp_state& w = g.warps[size_t(g.cur->warp)];
+  warp_state& w = g.cta->warps[size_t(g.cur->warp)];
   return mask == 0xffffffffu ? w.slots[g.cur->exchanges & 1] : w.slots[2];
 }
 void exchange_end(unsigned mask) {
@@ -251,12 +310,12 @@ void exchange_end(unsigned mask) {
   else
     syncwarp(mask);
 }
-unsigned live_lanes() { return g.warps[size_t(g.cur->warp)].live; }
+unsigned live_lanes() { return g.cta->warps[size_t(g.cur->warp)].live; }
 
-void syncthreads() { wait_at(g.bar, g.live); }
+void syncthreads() { wait_at(g.cta->bar, g.cta->live); }
 
 void syncwarp(unsigned mask) {
-  warp_state& w = g.warps[size_t(g.cur->warp)];
+  warp_state& w = g.cta->warps[size_t(g.cur->warp)];
   wait_at(w.bar_for(mask), popcount(mask & w.live));
 }
 
@@ -266,6 +325,33 @@ void spin_yield() {
 }
 
 void trap(const char* why) { throw trap_exception{why}; }
+
+void* cta_static(const void* key, size_t bytes, size_t align) {
+  cta_slot& c = *g.cta;
+  for (const auto& [k, at] : c.static_at)
+    if (k == key) return c.statics.get() + at;
+  const size_t at = (c.statics_used + align - 1) / align * align;
+  if (at + bytes > static_smem_limit) trap("static shared memory beyond 48 KiB in one CTA");
+  std::memset(c.statics.get() + at, 0xFF, bytes);  // uninitialized shared memory reads as NaN
+  c.static_at.emplace_back(key, at);
+  c.statics_used = at + bytes;
+  return c.statics.get() + at;
+}
+
+bool is_shared(const void* p) {
+  const auto* b = static_cast<const unsigned char*>(p);
+  const cta_slot& c = *g.cta;
+  return (b >= c.statics.get() && b < c.statics.get() + static_smem_limit) || (c.dyn && b >= c.dyn && b < c.dyn + c.dyn_bytes);
+}
+
+void switch_point() {
+  if (g.resident < 2 || (g.rng() & 1)) return;
+  ++g.switches;
+  g.switch_requested = true;
+  yield();
+}
+
+uint64_t cta_switches() { return g.switches; }
 
 uint64_t random_u64() {
   seed_once();
@@ -293,29 +379,47 @@ void run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()>& b
   const size_t n_blocks = size_t(grid.x) * grid.y * grid.z;
   grid_dim = grid, block_dim = block;
   g.body = &body;
-  std::vector<unsigned char> dyn;
-  if (smem) {
-    dyn.resize(smem + 128);
-    g.dyn = dyn.data() + (128 - reinterpret_cast<uintptr_t>(dyn.data()) % 128) % 128;
-    g.dyn_bytes = smem;
-  } else {
-    g.dyn = nullptr, g.dyn_bytes = 0;
-  }
   std::vector<uint32_t> order(n_blocks);
   for (size_t i = 0; i < n_blocks; ++i) order[i] = uint32_t(i);
   std::shuffle(order.begin(), order.end(), g.rng);
   g.aborted = false;
-  for (uint32_t b : order) {
-    block_idx = uint3{unsigned(b % grid.x), unsigned(b / grid.x % grid.y), unsigned(b / (size_t(grid.x) * grid.y))};
-    run_cta(n_threads);
+  g.switch_requested = false;
+  // CTAs start in the shuffled order, up to resident_limit() at once; each turn runs a random
+  // resident one until it finishes or stops at a switch point (a global atomic or fence).
+  g.slots.resize(std::max(g.slots.size(), resident_limit()));
+  const size_t limit = std::min(resident_limit(), n_blocks);
+  for (cta_slot& c : g.slots) c.active = false;
+  g.resident = 0;
+  size_t next = 0;
+  std::vector<cta_slot*> running;
+  while (!g.aborted && (next < n_blocks || !running.empty())) {
+    while (running.size() < limit && next < n_blocks) {
+      cta_slot* c = nullptr;
+      for (cta_slot& s : g.slots)
+        if (!s.active) c = &s;
+      const uint32_t b = order[next++];
+      start_cta(*c, uint3{unsigned(b % grid.x), unsigned(b / grid.x % grid.y), unsigned(b / (size_t(grid.x) * grid.y))},
+                n_threads, smem);
+      running.push_back(c);
+    }
+    g.resident = running.size();
+    const size_t pick = running.size() == 1 ? 0 : size_t(g.rng() % running.size());
+    cta_slot& c = *running[pick];
+    switch_to(c);
+    run_rounds(c);
     if (g.aborted) {
-      std::fprintf(stderr, "cuda_emu: launch failed in CTA (%u,%u,%u): %s\n", block_idx.x, block_idx.y, block_idx.z,
-                   g.error.c_str());
+      std::fprintf(stderr, "cuda_emu: launch failed in CTA (%u,%u,%u): %s\n", c.idx.x, c.idx.y, c.idx.z, g.error.c_str());
       last_error = sticky_error = cudaErrorLaunchFailure;
-      break;
+    } else if (c.live == 0) {
+      c.active = false;
+      running.erase(running.begin() + std::ptrdiff_t(pick));
     }
   }
-  g.dyn = nullptr;
+  // A launch that failed leaves CTAs suspended mid-way: their fibers are abandoned (the stacks are
+  // reset when their slot starts its next CTA), as a device abandons a faulted grid.
+  for (cta_slot& c : g.slots) c.active = false;
+  g.cta = nullptr;
+  g.resident = 0;
   g.body = nullptr;
 }
 
@@ -325,7 +429,7 @@ void run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()>& b
 // r[j] the elements (l/4, 2(l%4)) and (l/4, 2(l%4)+1) of matrix j, or with .trans those at
 // (2(l%4), l/4) and (2(l%4)+1, l/4).
 void ldmatrix_x4(uint32_t (&r)[4], const void* smem, bool trans) {
-  uint64_t* s = g.warps[size_t(g.cur->warp)].slots[2];
+  uint64_t* s = g.cta->warps[size_t(g.cur->warp)].slots[2];
   const int me = lane();
   s[me] = reinterpret_cast<uintptr_t>(smem);
   syncwarp(0xffffffffu);
@@ -350,7 +454,7 @@ void mma_16816_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t 
     uint32_t a[4], b[2];
   };
   static_assert(sizeof(frag) <= sizeof(warp_state::scratch[0]));
-  frag* all = reinterpret_cast<frag*>(g.warps[size_t(g.cur->warp)].scratch);  // this warp's, between the barriers
+  frag* all = reinterpret_cast<frag*>(g.cta->warps[size_t(g.cur->warp)].scratch);  // this warp's, between the barriers
   const int me = lane();
   all[me] = frag{{a[0], a[1], a[2], a[3]}, {b0, b1}};
   syncwarp(0xffffffffu);

@@ -4,10 +4,13 @@
 // compiled by the host C++ compiler for troupe_cuda_emu_tests, so the device code runs on this
 // machine, which has no GPU: each CTA's threads are cooperative fibers on one OS thread, switched
 // only where a CUDA thread would wait for others (__syncthreads, warp shuffles and votes, mbarrier
-// waits); __shared__ variables are function statics (one CTA runs at a time); global memory is
-// host memory; the CTAs of a grid run one after another in a shuffled order and each round of a
-// CTA's fibers in a shuffled order, so a kernel that assumes an order between CTAs or lacks a
-// barrier between its threads can fail here as it could on a device.
+// waits); static shared variables (TROUPE_SHARED) and dynamic shared memory are each CTA's own;
+// global memory is host memory. A grid's CTAs start in a shuffled order, up to
+// four resident at once (TROUPE_EMU_RESIDENT_CTAS), one running: at a global atomic or
+// __threadfence another resident CTA may continue, half the time, so a CTA that counts itself done
+// before all its threads wrote what the last CTA reads is seen doing so; each round of a CTA's
+// fibers goes in a shuffled order. A kernel that assumes an order between CTAs or lacks a barrier
+// between its threads can fail here as it could on a device.
 //
 // Streams are queues (runtime_emu.cpp): the emulated device works through them in an order of its
 // own, a random amount at each call, so host code that reads a result before it synchronized, or
@@ -17,10 +20,12 @@
 //
 // What it checks: the kernels' arithmetic, indexing, barriers and warp-level exchanges against the
 // CPU reference, including the fused and split paths; the host code's stream, event and graph
-// order. What it cannot: timing, memory ordering between CTAs running at once (fences are no-ops
-// here), device math's last-ulp behaviour (expf is the host's), tensor-core accumulation order
-// (mma is summed in float, in k order). Programmatic dependent launch is a no-op: each kernel
-// completes before the next starts. Host threads may call the runtime at once: it serializes them.
+// order. What it cannot: timing, memory ordering between CTAs (memory here is sequentially
+// consistent: a missing fence goes unseen), device math's last-ulp behaviour (expf is the host's),
+// tensor-core accumulation order (mma is summed in float, in k order). Programmatic dependent
+// launch is a no-op: each kernel completes before the next starts. Host threads may call the
+// runtime at once: it serializes them. tests/cuda_emu/cuda_emu.test.cpp checks that the
+// emulation sees the mistakes it claims to.
 #pragma once
 
 #ifndef TROUPE_CUDA_EMU
@@ -30,7 +35,10 @@
 #define __global__
 #define __device__
 #define __host__
-#define __shared__ static
+// Static shared variables are declared with TROUPE_SHARED (kernels/cuda/device_util.cuh), which
+// gives each CTA its own (cta_static): a plain function static would be one for all the CTAs
+// resident at once. A `__shared__` declaration fails to compile here, naming the macro.
+#define __shared__ use_TROUPE_SHARED_for_static_shared_memory
 #define __launch_bounds__(...)
 
 #include <cuda_bf16.h>
@@ -69,6 +77,16 @@ void syncwarp(unsigned mask);
 void spin_yield();
 /// Aborts the launch (as __trap() would): the next cudaGetLastError reports it.
 [[noreturn]] void trap(const char* why);
+/// The running CTA's instance of the static shared variable `key` (TROUPE_SHARED), reserved at its
+/// first use in the CTA: bytes no thread of the CTA wrote read as 0xFF (NaN), as dynamic ones do.
+void* cta_static(const void* key, size_t bytes, size_t align);
+/// Whether p is in the running CTA's shared memory (static or dynamic).
+bool is_shared(const void* p);
+/// Where other CTAs may run in between (a global atomic, a fence): with another CTA resident, half
+/// the time the caller's CTA is suspended here and a random resident one continues.
+void switch_point();
+/// Switches made at switch points so far (for the emulation's own tests).
+uint64_t cta_switches();
 
 /// Runs body() once per thread of every CTA of the grid. Errors go to cudaGetLastError.
 void run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body);
@@ -165,7 +183,7 @@ bool mbar_test_parity(uint64_t* bar, uint32_t parity);
 
 inline void __syncthreads() { troupe_emu::syncthreads(); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) { troupe_emu::syncwarp(mask); }
-inline void __threadfence() {}
+inline void __threadfence() { troupe_emu::switch_point(); }
 inline void __threadfence_block() {}
 [[noreturn]] inline void __trap() { troupe_emu::trap("__trap()"); }
 inline void __nanosleep(unsigned) { troupe_emu::spin_yield(); }
@@ -234,26 +252,39 @@ void __stcg(T* p, T v) { *p = v; }
 template <class T>
 void __stcs(T* p, T v) { *p = v; }
 
-// Atomics: fibers switch only at waits, so a read-modify-write is atomic as written.
+// Atomics: a read-modify-write is atomic as written (fibers switch only at waits and switch
+// points); one on global memory is then a switch point, so another CTA may see its result before
+// the rest of this CTA goes on, as on a device.
+namespace troupe_emu {
+template <class T, class F>
+T atomic_rmw(T* p, F f) {
+  const T old = *p;
+  *p = f(old);
+  if (!is_shared(p)) switch_point();
+  return old;
+}
+}  // namespace troupe_emu
 template <class T>
-T atomicAdd(T* p, T v) { const T old = *p; *p = old + v; return old; }
+T atomicAdd(T* p, T v) { return troupe_emu::atomic_rmw(p, [&](T o) { return T(o + v); }); }
 template <class T>
-T atomicSub(T* p, T v) { const T old = *p; *p = old - v; return old; }
+T atomicSub(T* p, T v) { return troupe_emu::atomic_rmw(p, [&](T o) { return T(o - v); }); }
 template <class T>
-T atomicExch(T* p, T v) { const T old = *p; *p = v; return old; }
+T atomicExch(T* p, T v) { return troupe_emu::atomic_rmw(p, [&](T) { return v; }); }
 template <class T>
-T atomicMax(T* p, T v) { const T old = *p; *p = std::max(old, v); return old; }
+T atomicMax(T* p, T v) { return troupe_emu::atomic_rmw(p, [&](T o) { return std::max(o, v); }); }
 template <class T>
-T atomicMin(T* p, T v) { const T old = *p; *p = std::min(old, v); return old; }
+T atomicMin(T* p, T v) { return troupe_emu::atomic_rmw(p, [&](T o) { return std::min(o, v); }); }
 template <class T>
-T atomicXor(T* p, T v) { const T old = *p; *p = old ^ v; return old; }
+T atomicXor(T* p, T v) { return troupe_emu::atomic_rmw(p, [&](T o) { return T(o ^ v); }); }
 template <class T>
-T atomicOr(T* p, T v) { const T old = *p; *p = old | v; return old; }
+T atomicOr(T* p, T v) { return troupe_emu::atomic_rmw(p, [&](T o) { return T(o | v); }); }
 template <class T>
-T atomicAnd(T* p, T v) { const T old = *p; *p = old & v; return old; }
+T atomicAnd(T* p, T v) { return troupe_emu::atomic_rmw(p, [&](T o) { return T(o & v); }); }
 template <class T>
-T atomicCAS(T* p, T cmp, T v) { const T old = *p; if (old == cmp) *p = v; return old; }
-inline unsigned atomicInc(unsigned* p, unsigned limit) { const unsigned old = *p; *p = old >= limit ? 0 : old + 1; return old; }
+T atomicCAS(T* p, T cmp, T v) { return troupe_emu::atomic_rmw(p, [&](T o) { return o == cmp ? v : o; }); }
+inline unsigned atomicInc(unsigned* p, unsigned limit) {
+  return troupe_emu::atomic_rmw(p, [&](unsigned o) { return o >= limit ? 0u : o + 1; });
+}
 
 // Rounded arithmetic: the host's IEEE operations (the build disables contraction into FMA).
 inline float __fmul_rn(float a, float b) { return a * b; }

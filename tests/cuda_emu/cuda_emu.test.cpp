@@ -1,0 +1,117 @@
+// The emulation's own tests: what it claims to catch, it catches. Each check runs a correct toy
+// kernel and the same kernel with one mistake the emulation is meant to expose; the correct one
+// must pass every launch, the mistaken one must fail at least one (so a change to the emulation that
+// stops seeing the mistake fails here, not silently in the kernel tests).
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/cuda/device_util.cuh"
+#include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/test_util.hpp"
+
+namespace troupe::kernels::cuda {
+namespace {
+
+constexpr int toy_ctas = 8, toy_threads = 64;
+
+// Each CTA keeps its index in a static shared variable across a global atomic (where another
+// resident CTA may run) and writes it out from every thread.
+__global__ void own_shared_kernel(int* out, unsigned* counter) {
+  TROUPE_SHARED(int, mine);
+  if (threadIdx.x == 0) mine = int(blockIdx.x);
+  __syncthreads();
+  atomicAdd(counter, 1u);
+  __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = mine;
+}
+
+// The same with a function static: one variable for every CTA resident at once, as a
+// `#define __shared__ static` emulation would have it.
+__global__ void one_static_kernel(int* out, unsigned* counter) {
+  static int mine;
+  if (threadIdx.x == 0) mine = int(blockIdx.x);
+  __syncthreads();
+  atomicAdd(counter, 1u);
+  __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = mine;
+}
+
+// Every thread writes its partial; the CTA counts itself done; the last CTA to arrive sums all the
+// partials. With `barrier` false thread 0 counts the CTA in before its other threads have written,
+// the mistake the split attention's last-CTA merge must not make.
+template <bool barrier>
+__global__ void last_cta_sum_kernel(const int* in, int* partials, unsigned* count, long long* total) {
+  TROUPE_SHARED(bool, last);
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  partials[i] = 2 * in[i];
+  __threadfence();
+  if constexpr (barrier) __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(count, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (last && threadIdx.x == 0) {
+    __threadfence();
+    long long s = 0;
+    for (int k = 0; k < int(gridDim.x * blockDim.x); ++k) s += partials[k];
+    *total = s;
+    *count = 0;
+  }
+}
+
+// Launches kernel `runs` times; the number of launches whose result was right.
+template <class Launch, class Right>
+int right_runs(int runs, Launch launch_once, Right right) {
+  int n = 0;
+  for (int r = 0; r < runs; ++r) {
+    launch_once();
+    check(cudaDeviceSynchronize(), "sync");
+    if (right()) ++n;
+  }
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("the emulation gives each resident CTA its own static shared memory", "[cuda][emu]") {
+  test::dev_buf<int> out(size_t(toy_ctas) * toy_threads);
+  test::dev_buf<unsigned> counter(std::vector<unsigned>{0});
+  std::vector<int> want(out.n);
+  for (size_t i = 0; i < want.size(); ++i) want[i] = int(i / toy_threads);
+  const uint64_t switches = troupe_emu::cta_switches();
+  const int runs = 20;
+  const int own = right_runs(runs, [&] { launch_ordinary(own_shared_kernel, dim3(toy_ctas), dim3(toy_threads), 0, nullptr, out.p, counter.p); },
+                             [&] { return out.download() == want; });
+  CHECK(own == runs);
+  CHECK(troupe_emu::cta_switches() > switches);  // CTAs did run interleaved
+  const int shared = right_runs(runs, [&] { launch_ordinary(one_static_kernel, dim3(toy_ctas), dim3(toy_threads), 0, nullptr, out.p, counter.p); },
+                                [&] { return out.download() == want; });
+  CHECK(shared < runs);
+  check(cudaGetLastError(), "launch");
+}
+
+TEST_CASE("the emulation catches a CTA counted done before all its threads wrote", "[cuda][emu]") {
+  const size_t n = size_t(toy_ctas) * toy_threads;
+  std::vector<int> host(n);
+  long long want = 0;
+  for (size_t i = 0; i < n; ++i) host[i] = int(i % 97) - 40, want += 2 * host[i];
+  test::dev_buf<int> in(host), partials(n);
+  test::dev_buf<unsigned> count(std::vector<unsigned>{0});
+  test::dev_buf<long long> total(1);
+  auto run = [&](auto kernel, int runs) {
+    return right_runs(
+        runs,
+        [&] {
+          partials.upload(std::vector<int>(n, -1000000));  // stale values from an earlier step
+          launch_ordinary(kernel, dim3(toy_ctas), dim3(toy_threads), 0, nullptr, in.p, partials.p, count.p, total.p);
+        },
+        [&] { return total.download()[0] == want; });
+  };
+  // The mistaken kernel is wrong in most launches (a launch switches CTAs at each global atomic and
+  // fence half the time): 40 right in a row would be a broken emulation, not luck.
+  CHECK(run(last_cta_sum_kernel<true>, 40) == 40);
+  CHECK(run(last_cta_sum_kernel<false>, 40) < 40);
+  check(cudaGetLastError(), "launch");
+}
+
+}  // namespace troupe::kernels::cuda
