@@ -124,7 +124,7 @@ struct scheduler_config_msg {
   int kv_block_size = 16;
   int32_t n_device_blocks = 0, n_host_blocks = 0;
   double step_timeout_s = 120;
-  engine::kv_groups kv_groups;  // the executor's KV layer groups (kv_shape::n_groups, window)
+  engine::kv_groups kv_groups{};  // the executor's KV layer groups (kv_shape::n_groups, window)
 };
 /// Spawns the scheduler actor of one model.
 caf::actor spawn_scheduler(caf::actor_system& sys, scheduler_config_msg cfg);

@@ -37,7 +37,7 @@ struct kv_shape {
   int head_dim = 0;
   int block_size = 16;  // positions per block
   // Layer groups: empty (one group, model layer il in slot il), or one entry per model layer.
-  std::vector<kv_slot> slots;
+  std::vector<kv_slot> slots{};
   int n_groups = 1;     // group 0: full attention; groups 1..: sliding windows of `window`
   int window = 0;       // positions a sliding-window layer attends to, itself included
 

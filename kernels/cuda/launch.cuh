@@ -32,7 +32,9 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 
 /// Returns when the kernel before this one on the stream has completed, its writes visible.
 __device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#ifdef TROUPE_CUDA_EMU
+  ::troupe_emu::pdl_wait();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
@@ -42,7 +44,7 @@ __device__ __forceinline__ void pdl_wait() {
 template <class... Params, class... Args>
 void launch_ordinary(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
 #ifdef TROUPE_CUDA_EMU  // the CPU emulation build (tests/cuda_emu)
-  ::troupe_emu::launch(kernel, grid, block, smem, stream, std::forward<Args>(args)...);
+  ::troupe_emu::launch_kernel(false, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 #else
   kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
 #endif
@@ -52,8 +54,8 @@ void launch_ordinary(void (*kernel)(Params...), dim3 grid, dim3 block, size_t sm
 /// when pdl_enabled(). Launch errors are left for check_launch().
 template <class... Params, class... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
-#ifdef TROUPE_CUDA_EMU  // no overlap there: each launch completes before the next starts
-  launch_ordinary(kernel, grid, block, smem, stream, std::forward<Args>(args)...);
+#ifdef TROUPE_CUDA_EMU  // there it may start, up to its pdl_wait(), before the kernel ahead runs
+  ::troupe_emu::launch_kernel(pdl_enabled(), kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 #else
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -173,7 +173,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const vo
   const desc op = as_desc(d);
   const layout la = as_layout(a), lb = as_layout(b), lc = as_layout(c), ld = as_layout(dd);
   const float al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);  // host pointer mode
-  const cudaError_t e = troupe_emu::enqueue(stream, [=] { matmul(op, al, A, la, B, lb, be, C, lc, D, ld); });
+  const cudaError_t e = troupe_emu::enqueue(stream, [=] { matmul(op, al, A, la, B, lb, be, C, lc, D, ld); }, /*kernel=*/true);
   return e == cudaSuccess ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_EXECUTION_FAILED;
 }
 

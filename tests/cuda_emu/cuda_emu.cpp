@@ -108,19 +108,34 @@ struct cta_slot {
   size_t statics_used = 0;
   std::vector<std::pair<const void*, size_t>> static_at;  // each variable's key and offset, in first-use order
   bool active = false;
+  bool parked = false;  // every thread not returned waits in pdl_wait() or at a barrier behind it
 };
 
-// The launch state: up to `resident` CTAs at once, one running.
-struct state {
+// One grid's execution: up to `limit` CTAs resident at once, one running. There are two: a kernel
+// launched with programmatic dependent launch may run up to its pdl_wait() before the kernel ahead
+// of it runs (park_grid), and stays parked in the second while the first runs that kernel.
+struct grid_run {
   std::vector<cta_slot> slots;
   cta_slot* cta = nullptr;   // the running CTA
   size_t resident = 0;       // CTAs started and not finished
   bool switch_requested = false;
   void* sched_sp = nullptr;
   fiber* cur = nullptr;
-  const std::function<void()>* body = nullptr;
+  std::function<void()> body;
   bool aborted = false;
   std::string error;
+  dim3 grid{}, block{};
+  size_t smem = 0, n_threads = 0, n_blocks = 0, limit = 0;
+  std::vector<uint32_t> order;     // the CTAs in the order they start
+  size_t next = 0;                 // the next to start
+  std::vector<cta_slot*> running;  // the resident ones
+  bool gate_closed = false;        // pdl_wait() blocks: the kernel ahead has not run
+  barrier gate;
+};
+
+struct state {
+  grid_run runs[2];  // [0]: the launch running; [1]: a programmatic launch parked at its pdl_wait()
+  grid_run* run = &runs[0];
   uint64_t progress = 0;  // barrier releases, satisfied polls, fibers that ended
   uint64_t switches = 0;  // CTA switches at global atomics and fences
   std::mt19937_64 rng;
@@ -135,11 +150,11 @@ void release(barrier& b) {
   ++g.progress;
 }
 
-void yield() { troupe_emu_switch(&g.cur->sp, g.sched_sp); }
+void yield() { troupe_emu_switch(&g.run->cur->sp, g.run->sched_sp); }
 
 void wait_at(barrier& b, int expected) {
   if (++b.arrived >= expected) return release(b);
-  fiber& f = *g.cur;
+  fiber& f = *g.run->cur;
   f.waiting = &b;
   f.wait_gen = b.gen;
   yield();
@@ -150,7 +165,7 @@ int popcount(unsigned m) { return __builtin_popcount(m); }
 
 // A fiber that returned: the barriers its CTA and warp wait at no longer count it.
 void retire(fiber& f) {
-  cta_slot& c = *g.cta;
+  cta_slot& c = *g.run->cta;
   f.done = true;
   ++g.progress;
   --c.live;
@@ -161,23 +176,23 @@ void retire(fiber& f) {
     if (b.arrived > 0 && b.arrived >= popcount(b.mask & w.live)) release(b);
 }
 
-// A fiber's first code: runs the kernel body for g.cur, then switches back for good.
+// A fiber's first code: runs the kernel body for g.run->cur, then switches back for good.
 void fiber_main() {
-  fiber& f = *g.cur;
+  fiber& f = *g.run->cur;
   try {
-    (*g.body)();
+    g.run->body();
   } catch (const trap_exception& t) {
-    g.aborted = true;
-    g.error = t.why;
+    g.run->aborted = true;
+    g.run->error = t.why;
   } catch (const std::exception& e) {
-    g.aborted = true;
-    g.error = std::string("exception in device code: ") + e.what();
+    g.run->aborted = true;
+    g.run->error = std::string("exception in device code: ") + e.what();
   } catch (...) {
-    g.aborted = true;
-    g.error = "exception in device code";
+    g.run->aborted = true;
+    g.run->error = "exception in device code";
   }
   retire(f);
-  troupe_emu_switch(&f.sp, g.sched_sp);
+  troupe_emu_switch(&f.sp, g.run->sched_sp);
   __builtin_unreachable();
 }
 
@@ -252,7 +267,7 @@ void start_cta(cta_slot& c, uint3 idx, size_t n_threads, size_t smem) {
 
 // Makes c the running CTA.
 void switch_to(cta_slot& c) {
-  g.cta = &c;
+  g.run->cta = &c;
   block_idx = c.idx;
 }
 
@@ -260,7 +275,7 @@ void switch_to(cta_slot& c) {
 // or a deadlock), or a fiber asks to let another CTA run (switch_point).
 void run_rounds(cta_slot& c) {
   const size_t n = c.n_threads;
-  for (; c.live > 0 && !g.aborted; c.forward = !c.forward) {
+  for (; c.live > 0 && !g.run->aborted; c.forward = !c.forward) {
     const uint64_t before = g.progress;
     bool ran = false;
     const size_t start = size_t(g.rng() % n);
@@ -269,19 +284,26 @@ void run_rounds(cta_slot& c) {
       fiber& f = c.fibers[size_t(c.order[at])];
       if (f.done || (f.waiting && f.waiting->gen == f.wait_gen)) continue;
       f.spinning = false;
-      g.cur = &f;
-      troupe_emu_switch(&g.sched_sp, f.sp);
-      g.cur = nullptr;
+      g.run->cur = &f;
+      troupe_emu_switch(&g.run->sched_sp, f.sp);
+      g.run->cur = nullptr;
       ran = ran || !f.spinning;
-      if (g.aborted) break;
-      if (g.switch_requested) {  // an interrupted round proves nothing about a deadlock
-        g.switch_requested = false;
+      if (g.run->aborted) break;
+      if (g.run->switch_requested) {  // an interrupted round proves nothing about a deadlock
+        g.run->switch_requested = false;
         return;
       }
     }
-    if (!g.aborted && !ran && g.progress == before) {
-      g.aborted = true;
-      g.error = "deadlock: every thread of the CTA waits at a barrier or polls for something no thread will do";
+    if (!g.run->aborted && !ran && g.progress == before) {
+      if (g.run->gate_closed) {  // parked, if some thread waits in pdl_wait() for the kernel ahead
+        for (size_t i = 0; i < n; ++i)
+          if (!c.fibers[i].done && c.fibers[i].waiting == &g.run->gate) {
+            c.parked = true;
+            return;
+          }
+      }
+      g.run->aborted = true;
+      g.run->error = "deadlock: every thread of the CTA waits at a barrier or polls for something no thread will do";
     }
   }
 }
@@ -297,37 +319,37 @@ size_t resident_limit() {
 
 }  // namespace
 
-const uint3& thread_idx() { return g.cur->tid; }
-unsigned char* dynamic_smem() { return g.cta->dyn; }
-int lane() { return g.cur->lane; }
+const uint3& thread_idx() { return g.run->cur->tid; }
+unsigned char* dynamic_smem() { return g.run->cta->dyn; }
+int lane() { return g.run->cur->lane; }
 uint64_t* exchange_slots(unsigned mask) {
-  warp_state& w = g.cta->warps[size_t(g.cur->warp)];
-  return mask == 0xffffffffu ? w.slots[g.cur->exchanges & 1] : w.slots[2];
+  warp_state& w = g.run->cta->warps[size_t(g.run->cur->warp)];
+  return mask == 0xffffffffu ? w.slots[g.run->cur->exchanges & 1] : w.slots[2];
 }
 void exchange_end(unsigned mask) {
   if (mask == 0xffffffffu)
-    ++g.cur->exchanges;
+    ++g.run->cur->exchanges;
   else
     syncwarp(mask);
 }
-unsigned live_lanes() { return g.cta->warps[size_t(g.cur->warp)].live; }
+unsigned live_lanes() { return g.run->cta->warps[size_t(g.run->cur->warp)].live; }
 
-void syncthreads() { wait_at(g.cta->bar, g.cta->live); }
+void syncthreads() { wait_at(g.run->cta->bar, g.run->cta->live); }
 
 void syncwarp(unsigned mask) {
-  warp_state& w = g.cta->warps[size_t(g.cur->warp)];
+  warp_state& w = g.run->cta->warps[size_t(g.run->cur->warp)];
   wait_at(w.bar_for(mask), popcount(mask & w.live));
 }
 
 void spin_yield() {
-  g.cur->spinning = true;
+  g.run->cur->spinning = true;
   yield();
 }
 
 void trap(const char* why) { throw trap_exception{why}; }
 
 void* cta_static(const void* key, size_t bytes, size_t align) {
-  cta_slot& c = *g.cta;
+  cta_slot& c = *g.run->cta;
   for (const auto& [k, at] : c.static_at)
     if (k == key) return c.statics.get() + at;
   const size_t at = (c.statics_used + align - 1) / align * align;
@@ -340,14 +362,14 @@ void* cta_static(const void* key, size_t bytes, size_t align) {
 
 bool is_shared(const void* p) {
   const auto* b = static_cast<const unsigned char*>(p);
-  const cta_slot& c = *g.cta;
+  const cta_slot& c = *g.run->cta;
   return (b >= c.statics.get() && b < c.statics.get() + static_smem_limit) || (c.dyn && b >= c.dyn && b < c.dyn + c.dyn_bytes);
 }
 
 void switch_point() {
-  if (g.resident < 2 || (g.rng() & 1)) return;
+  if (g.run->resident < 2 || (g.rng() & 1)) return;
   ++g.switches;
-  g.switch_requested = true;
+  g.run->switch_requested = true;
   yield();
 }
 
@@ -368,59 +390,127 @@ bool launch_config_ok(dim3 grid, dim3 block, size_t smem) {
   return true;
 }
 
-void run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body) {
+namespace {
+
+// Makes r the running grid and starts it: nothing runs yet.
+bool start_grid(grid_run& r, dim3 grid, dim3 block, size_t smem, std::function<void()> body) {
   seed_once();
   if (sticky_error != cudaSuccess) {
     last_error = sticky_error;
-    return;
+    return false;
   }
-  if (!launch_config_ok(grid, block, smem)) return;
-  const size_t n_threads = size_t(block.x) * block.y * block.z;
-  const size_t n_blocks = size_t(grid.x) * grid.y * grid.z;
-  grid_dim = grid, block_dim = block;
-  g.body = &body;
-  std::vector<uint32_t> order(n_blocks);
-  for (size_t i = 0; i < n_blocks; ++i) order[i] = uint32_t(i);
-  std::shuffle(order.begin(), order.end(), g.rng);
-  g.aborted = false;
-  g.switch_requested = false;
-  // CTAs start in the shuffled order, up to resident_limit() at once; each turn runs a random
-  // resident one until it finishes or stops at a switch point (a global atomic or fence).
-  g.slots.resize(std::max(g.slots.size(), resident_limit()));
-  const size_t limit = std::min(resident_limit(), n_blocks);
-  for (cta_slot& c : g.slots) c.active = false;
-  g.resident = 0;
-  size_t next = 0;
-  std::vector<cta_slot*> running;
-  while (!g.aborted && (next < n_blocks || !running.empty())) {
-    while (running.size() < limit && next < n_blocks) {
+  if (!launch_config_ok(grid, block, smem)) return false;
+  r.grid = grid, r.block = block, r.smem = smem;
+  r.n_threads = size_t(block.x) * block.y * block.z;
+  r.n_blocks = size_t(grid.x) * grid.y * grid.z;
+  r.body = std::move(body);
+  r.order.resize(r.n_blocks);
+  for (size_t i = 0; i < r.n_blocks; ++i) r.order[i] = uint32_t(i);
+  std::shuffle(r.order.begin(), r.order.end(), g.rng);
+  r.next = 0;
+  r.aborted = false;
+  r.error.clear();
+  r.switch_requested = false;
+  r.slots.resize(std::max(r.slots.size(), resident_limit()));
+  r.limit = std::min(resident_limit(), r.n_blocks);
+  for (cta_slot& c : r.slots) c.active = false, c.parked = false;
+  r.running.clear();
+  r.resident = 0;
+  r.gate_closed = false;
+  return true;
+}
+
+// Runs grid r: CTAs start in the shuffled order, up to r.limit at once; each turn runs a random
+// resident one until it finishes or stops at a switch point (a global atomic or fence). Returns
+// when every CTA has finished, the launch failed, or, with the gate closed, every resident CTA is
+// parked at pdl_wait() (no CTA starts then past the first r.limit: the rest wait on the device
+// too, for SMs that the kernel ahead holds).
+void drive(grid_run& r) {
+  g.run = &r;
+  grid_dim = r.grid, block_dim = r.block;
+  std::vector<size_t> ready;
+  while (!r.aborted) {
+    while (r.running.size() < r.limit && r.next < r.n_blocks && !(r.gate_closed && r.next >= r.limit)) {
       cta_slot* c = nullptr;
-      for (cta_slot& s : g.slots)
+      for (cta_slot& s : r.slots)
         if (!s.active) c = &s;
-      const uint32_t b = order[next++];
-      start_cta(*c, uint3{unsigned(b % grid.x), unsigned(b / grid.x % grid.y), unsigned(b / (size_t(grid.x) * grid.y))},
-                n_threads, smem);
-      running.push_back(c);
+      const uint32_t b = r.order[r.next++];
+      const dim3 gd = r.grid;
+      start_cta(*c, uint3{unsigned(b % gd.x), unsigned(b / gd.x % gd.y), unsigned(b / (size_t(gd.x) * gd.y))}, r.n_threads,
+                r.smem);
+      r.running.push_back(c);
     }
-    g.resident = running.size();
-    const size_t pick = running.size() == 1 ? 0 : size_t(g.rng() % running.size());
-    cta_slot& c = *running[pick];
+    ready.clear();
+    for (size_t i = 0; i < r.running.size(); ++i)
+      if (!r.running[i]->parked) ready.push_back(i);
+    if (ready.empty()) break;
+    r.resident = r.running.size();
+    const size_t pick = ready.size() == 1 ? ready[0] : ready[size_t(g.rng() % ready.size())];
+    cta_slot& c = *r.running[pick];
     switch_to(c);
     run_rounds(c);
-    if (g.aborted) {
-      std::fprintf(stderr, "cuda_emu: launch failed in CTA (%u,%u,%u): %s\n", c.idx.x, c.idx.y, c.idx.z, g.error.c_str());
+    if (r.aborted) {
+      std::fprintf(stderr, "cuda_emu: launch failed in CTA (%u,%u,%u): %s\n", c.idx.x, c.idx.y, c.idx.z, r.error.c_str());
       last_error = sticky_error = cudaErrorLaunchFailure;
     } else if (c.live == 0) {
       c.active = false;
-      running.erase(running.begin() + std::ptrdiff_t(pick));
+      r.running.erase(r.running.begin() + std::ptrdiff_t(pick));
     }
   }
-  // A launch that failed leaves CTAs suspended mid-way: their fibers are abandoned (the stacks are
-  // reset when their slot starts its next CTA), as a device abandons a faulted grid.
-  for (cta_slot& c : g.slots) c.active = false;
-  g.cta = nullptr;
-  g.resident = 0;
-  g.body = nullptr;
+  r.cta = nullptr;
+}
+
+// Ends grid r (a launch that failed leaves CTAs suspended mid-way: their fibers are abandoned, the
+// stacks reset when their slot starts its next CTA, as a device abandons a faulted grid) and makes
+// the first grid_run the running one again.
+void finish(grid_run& r) {
+  for (cta_slot& c : r.slots) c.active = false, c.parked = false;
+  r.running.clear();
+  r.resident = 0;
+  r.gate_closed = false;
+  r.body = nullptr;
+  g.run = &g.runs[0];
+}
+
+}  // namespace
+
+void run_grid(dim3 grid, dim3 block, size_t smem, std::function<void()> body) {
+  grid_run& r = g.runs[0];
+  if (start_grid(r, grid, block, smem, std::move(body))) drive(r);
+  finish(r);
+}
+
+bool park_grid(dim3 grid, dim3 block, size_t smem, std::function<void()> body) {
+  grid_run& r = g.runs[1];
+  if (!r.running.empty() || !start_grid(r, grid, block, smem, std::move(body))) {
+    finish(r);
+    return false;
+  }
+  r.gate_closed = true;
+  drive(r);
+  g.run = &g.runs[0];
+  return true;
+}
+
+void finish_parked_grid() {
+  grid_run& r = g.runs[1];
+  if (!r.aborted && sticky_error == cudaSuccess) {
+    r.gate_closed = false;
+    release(r.gate);
+    for (cta_slot* c : r.running) c->parked = false;
+    drive(r);
+  }
+  finish(r);
+}
+
+void pdl_wait() {
+  grid_run& r = *g.run;
+  if (!r.gate_closed) return;
+  fiber& f = *r.cur;
+  f.waiting = &r.gate;
+  f.wait_gen = r.gate.gen;
+  yield();
+  f.waiting = nullptr;
 }
 
 // ---- PTX stand-ins ------------------------------------------------------------------------------
@@ -429,7 +519,7 @@ void run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()>& b
 // r[j] the elements (l/4, 2(l%4)) and (l/4, 2(l%4)+1) of matrix j, or with .trans those at
 // (2(l%4), l/4) and (2(l%4)+1, l/4).
 void ldmatrix_x4(uint32_t (&r)[4], const void* smem, bool trans) {
-  uint64_t* s = g.cta->warps[size_t(g.cur->warp)].slots[2];
+  uint64_t* s = g.run->cta->warps[size_t(g.run->cur->warp)].slots[2];
   const int me = lane();
   s[me] = reinterpret_cast<uintptr_t>(smem);
   syncwarp(0xffffffffu);
@@ -454,7 +544,7 @@ void mma_16816_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t 
     uint32_t a[4], b[2];
   };
   static_assert(sizeof(frag) <= sizeof(warp_state::scratch[0]));
-  frag* all = reinterpret_cast<frag*>(g.cta->warps[size_t(g.cur->warp)].scratch);  // this warp's, between the barriers
+  frag* all = reinterpret_cast<frag*>(g.run->cta->warps[size_t(g.run->cur->warp)].scratch);  // this warp's, between the barriers
   const int me = lane();
   all[me] = frag{{a[0], a[1], a[2], a[3]}, {b0, b1}};
   syncwarp(0xffffffffu);

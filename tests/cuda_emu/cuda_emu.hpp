@@ -23,8 +23,10 @@
 // order. What it cannot: timing, memory ordering between CTAs (memory here is sequentially
 // consistent: a missing fence goes unseen), device math's last-ulp behaviour (expf is the host's),
 // tensor-core accumulation order (mma is summed in float, in k order). Programmatic dependent
-// launch is a no-op: each kernel completes before the next starts. Host threads may call the
-// runtime at once: it serializes them. tests/cuda_emu/cuda_emu.test.cpp checks that the
+// launch: a programmatic launch right behind a kernel on its stream (launch.cuh's launch() under a
+// pdl_scope) half the time starts first, its CTAs that may be resident running up to pdl_wait(),
+// then the kernel ahead, then the rest of it; so a read before pdl_wait() of what the kernel ahead
+// writes sees the old bytes. Host threads may call the runtime at once: it serializes them. tests/cuda_emu/cuda_emu.test.cpp checks that the
 // emulation sees the mistakes it claims to.
 #pragma once
 
@@ -89,7 +91,16 @@ void switch_point();
 uint64_t cta_switches();
 
 /// Runs body() once per thread of every CTA of the grid. Errors go to cudaGetLastError.
-void run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body);
+void run_grid(dim3 grid, dim3 block, size_t smem, std::function<void()> body);
+/// Starts a grid launched with programmatic dependent launch before the kernel ahead of it has run:
+/// as many CTAs as may be resident run until each thread waits in pdl_wait() or returns, then the
+/// grid is parked (false, nothing parked: the launch could not start, or a grid is parked already).
+bool park_grid(dim3 grid, dim3 block, size_t smem, std::function<void()> body);
+/// Releases the parked grid's pdl_wait() and runs it to the end (abandons it after a fault).
+void finish_parked_grid();
+/// griddepcontrol.wait: in a parked grid, waits until finish_parked_grid(); else returns at once
+/// (the kernel ahead has completed: launches otherwise run one after another).
+void pdl_wait();
 
 /// Slots (8 bytes a lane) for one exchange among the lanes of mask: each writes its own, calls
 /// syncwarp(mask), reads any, then calls exchange_end(mask). A full warp alternates two sets of
@@ -110,17 +121,32 @@ uint64_t random_u64();
 bool launch_config_ok(dim3 grid, dim3 block, size_t smem);
 /// Puts work on the stream's queue (runtime_emu.cpp): the emulated device runs it in stream order,
 /// now or later; a capturing stream adds it to its graph. Returns the error the call reports.
-cudaError_t enqueue(cudaStream_t stream, std::function<void()> work);
+/// `kernel` says the work is a kernel (ours or cuBLASLt's): a programmatic launch after it may start
+/// before it runs.
+cudaError_t enqueue(cudaStream_t stream, std::function<void()> work, bool kernel = false);
+
+/// A kernel launch as queued: its configuration and a body that calls the kernel with the
+/// parameters the launch converted, kept with it (a graph replays them) and copied into each
+/// thread's call as on a device.
+struct kernel_launch {
+  dim3 grid, block;
+  size_t smem = 0;
+  bool pdl = false;  // programmatic dependent launch: may start before the kernel ahead runs
+  std::function<void()> body;
+};
+/// Queues the launch (runtime_emu.cpp); a programmatic one right behind a kernel on its stream may
+/// start (up to its pdl_wait(), park_grid) before that kernel runs, half the time.
+cudaError_t enqueue_kernel(cudaStream_t stream, std::shared_ptr<const kernel_launch> k);
 
 template <class... Params, class... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+void launch_kernel(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args&&... args) {
   if (!launch_config_ok(grid, block, smem)) return;
-  // The parameters as the launch converts them, kept with the launch (a graph replays them) and
-  // copied into each thread's call as on a device.
   auto params = std::make_shared<std::tuple<std::decay_t<Params>...>>(std::forward<Args>(args)...);
-  const cudaError_t e = enqueue(stream, [kernel, grid, block, smem, params] {
-    run_grid(grid, block, smem, [&] { std::apply(kernel, *params); });
-  });
+  auto k = std::make_shared<kernel_launch>();
+  k->grid = grid, k->block = block, k->smem = smem, k->pdl = pdl;
+  k->body = [kernel, params] { std::apply(kernel, *params); };
+  const cudaError_t e = enqueue_kernel(stream, std::move(k));
   if (e != cudaSuccess) last_error = e;
 }
 

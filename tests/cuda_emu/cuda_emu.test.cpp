@@ -59,6 +59,25 @@ __global__ void last_cta_sum_kernel(const int* in, int* partials, unsigned* coun
   }
 }
 
+// A kernel that fills buf with v, and a programmatic launch behind it that copies buf to out:
+// reading it after its pdl_wait(), or with `early`, before (the read the launch contract forbids).
+__global__ void fill_kernel(int* buf, int v) {
+  pdl_launch_dependents();
+  pdl_wait();
+  buf[blockIdx.x * blockDim.x + threadIdx.x] = v;
+}
+
+template <bool early>
+__global__ void copy_after_wait_kernel(const int* buf, int* out) {
+  pdl_launch_dependents();
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  int x = 0;
+  if constexpr (early) x = buf[i];
+  pdl_wait();
+  if constexpr (!early) x = buf[i];
+  out[i] = x;
+}
+
 // Launches kernel `runs` times; the number of launches whose result was right.
 template <class Launch, class Right>
 int right_runs(int runs, Launch launch_once, Right right) {
@@ -111,6 +130,33 @@ TEST_CASE("the emulation catches a CTA counted done before all its threads wrote
   // fence half the time): 40 right in a row would be a broken emulation, not luck.
   CHECK(run(last_cta_sum_kernel<true>, 40) == 40);
   CHECK(run(last_cta_sum_kernel<false>, 40) < 40);
+  check(cudaGetLastError(), "launch");
+}
+
+TEST_CASE("the emulation starts a programmatic launch before the kernel ahead of it", "[cuda][emu]") {
+  const size_t n = size_t(toy_ctas) * toy_threads;
+  test::dev_buf<int> buf(n), out(n);
+  cudaStream_t stream = nullptr;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  const pdl_scope pdl(true);
+  auto run = [&](auto copy_kernel, int runs) {
+    int v = 0;
+    return right_runs(
+        runs,
+        [&] {
+          ++v;
+          launch(fill_kernel, dim3(toy_ctas), dim3(toy_threads), 0, stream, buf.p, v);
+          launch(copy_kernel, dim3(toy_ctas), dim3(toy_threads), 0, stream, buf.p, out.p);
+          check(cudaStreamSynchronize(stream), "sync");
+        },
+        [&] { return out.download() == std::vector<int>(n, v); });
+  };
+  // The pair starts early in about one launch of four (the fill has not run already at its
+  // enqueue, and the coin says so): 80 right in a row for the early read would be a broken
+  // emulation (0.75^80 = 1e-10).
+  CHECK(run(copy_after_wait_kernel<false>, 80) == 80);
+  CHECK(run(copy_after_wait_kernel<true>, 80) < 80);
+  check(cudaStreamDestroy(stream), "stream");
   check(cudaGetLastError(), "launch");
 }
 

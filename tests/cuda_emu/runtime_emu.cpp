@@ -13,8 +13,10 @@
 // each query, all that a synchronization needs; so the host's view lags the device by a random
 // amount. A stream's priority is set when its queue fills from empty: with odds of 3 in 4 above
 // every other (the newest burst overtakes older ones, the order that exposes a missing wait
-// between streams), else at random below; streams run in any order their events allow. The legacy default stream (0) waits for the
-// blocking streams and runs its work at once.
+// between streams), else at random below; streams run in any order their events allow. The legacy
+// default stream (0) waits for the blocking streams and runs its work at once. A programmatic
+// launch queued right behind a kernel starts, half the time, before that kernel runs, as far as
+// its pdl_wait() (run_front).
 //
 // Graphs: a capturing stream appends its work (kernels with their parameters, copies, memsets) to
 // the capture; cudaGraphLaunch enqueues that work again. Calls that synchronize or allocate during
@@ -50,6 +52,8 @@ struct item {
   std::function<void()> fn;        // work
   std::shared_ptr<event_state> ev;  // record, wait
   uint64_t seq = 0;                 // record: its number; wait: the record it waits for
+  bool kernel = false;              // work that is a kernel (ours or cuBLASLt's)
+  std::shared_ptr<const kernel_launch> launch{};  // work that is one of our kernels
 };
 
 struct capture_state {
@@ -155,9 +159,30 @@ bool runnable(const CUstream_st& s) {
   return it.kind != item::wait || it.ev->reached >= it.seq;
 }
 
+// Whether the stream's head is a programmatic launch (one that may start before the kernel ahead).
+bool pdl_next(const CUstream_st& s) {
+  return !s.q.empty() && s.q.front().kind == item::work && s.q.front().launch && s.q.front().launch->pdl;
+}
+
 void run_front(CUstream_st& s) {
   item it = std::move(s.q.front());
   s.q.pop_front();
+  if (it.kind == item::work && it.kernel && pdl_next(s) && sticky_error == cudaSuccess && random_u64() % 2) {
+    // The programmatic launch behind this kernel starts first, as far as its pdl_wait(): the
+    // earliest it may on a device. What it reads before the wait, this kernel has not written yet;
+    // what it writes, this kernel then reads. Half the time, so every pair of kernels in a chain of
+    // programmatic launches is sometimes the pair.
+    item next = std::move(s.q.front());
+    s.q.pop_front();
+    const kernel_launch& k = *next.launch;
+    const bool parked = park_grid(k.grid, k.block, k.smem, k.body);
+    if (sticky_error == cudaSuccess) it.fn();
+    if (parked)
+      finish_parked_grid();
+    else if (sticky_error == cudaSuccess)
+      next.fn();
+    return;
+  }
   switch (it.kind) {
     case item::work:
       if (sticky_error == cudaSuccess) it.fn();  // after a fault, nothing more runs
@@ -270,10 +295,20 @@ bool copy_ranges_ok(void* dst, const void* src, size_t n, cudaMemcpyKind kind) {
 
 }  // namespace
 
-cudaError_t enqueue(cudaStream_t stream, std::function<void()> work) {
+cudaError_t enqueue(cudaStream_t stream, std::function<void()> work, bool kernel) {
   TROUPE_EMU_LOCKED;
   item it;
   it.fn = std::move(work);
+  it.kernel = kernel;
+  return put(stream, std::move(it));
+}
+
+cudaError_t enqueue_kernel(cudaStream_t stream, std::shared_ptr<const kernel_launch> k) {
+  TROUPE_EMU_LOCKED;
+  item it;
+  it.fn = [k] { run_grid(k->grid, k->block, k->smem, k->body); };
+  it.kernel = true;
+  it.launch = std::move(k);
   return put(stream, std::move(it));
 }
 
