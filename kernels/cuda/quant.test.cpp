@@ -208,8 +208,9 @@ TEST_CASE("gemv_bf16 with the residual add and RMSNorm folded in (gemv_norm) aga
   const pdl_scope scope(pdl);
   const float eps = 1e-5f;
   // {d, writer inputs k, reader outputs m}: Llama-3-8B's d; a ragged reader; one CTA; a writer
-  // whose last CTA has two rows (d = 1030: no reader, whose inputs are a multiple of 8).
-  const int64_t shapes[][3] = {{4096, 1024, 1003}, {1032, 520, 129}, {8, 16, 5}, {1030, 520, 5}};
+  // whose last CTA has two rows (d = 1030: no reader, whose inputs are a multiple of 8); 1,028
+  // partial sums a row (the reader's 16-byte loads past one full trip; 1032's 258 take 4-byte ones).
+  const int64_t shapes[][3] = {{4096, 1024, 1003}, {1032, 520, 129}, {8, 16, 5}, {1030, 520, 5}, {4112, 64, 37}};
   for (const auto& sh : shapes) {
     const int64_t d = sh[0], k = sh[1], m = sh[2], parts = norm_fold_parts(d);
     const auto w1 = round_bf16(random_floats(size_t(d * k), g)), w2 = round_bf16(random_floats(size_t(m * d), g));
@@ -222,9 +223,11 @@ TEST_CASE("gemv_bf16 with the residual add and RMSNorm folded in (gemv_norm) aga
       const auto a = round_bf16(random_floats(size_t(batch * k), g));
       // Each batch row's residual at its own scale (x 0.5 to x 4), so a reader that took another
       // row's sums of squares would be off by a factor of 1.5 or more.
+      // The last 16 positions of a row at 8 times the rest: a fifth of its sum of squares (d = 4096),
+      // so a reader that drops the last partial sums is off by more than bf16 rounding.
       auto r0 = random_floats(size_t(batch * d), g, -4.0f, 4.0f);
       for (int b = 0; b < batch; ++b)
-        for (int64_t i = 0; i < d; ++i) r0[size_t(b * d + i)] *= 0.5f * float(b + 1);
+        for (int64_t i = 0; i < d; ++i) r0[size_t(b * d + i)] *= 0.5f * float(b + 1) * (i >= d - 16 ? 8.0f : 1.0f);
       dev_buf<bf16> d_a(to_bf16(a));
       const size_t bd = size_t(batch * d), bm = size_t(batch * m);
 
