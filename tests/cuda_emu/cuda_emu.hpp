@@ -5,11 +5,11 @@
 // machine, which has no GPU: each CTA's threads are cooperative fibers on one OS thread, switched
 // only where a CUDA thread would wait for others (__syncthreads, warp shuffles and votes, mbarrier
 // waits); static shared variables (TROUPE_SHARED) and dynamic shared memory are each CTA's own;
-// global memory is host memory. A grid's CTAs start in a shuffled order, up to
-// four resident at once (TROUPE_EMU_RESIDENT_CTAS), one running: at a global atomic or
-// __threadfence another resident CTA may continue, half the time, so a CTA that counts itself done
-// before all its threads wrote what the last CTA reads is seen doing so; each round of a CTA's
-// fibers goes in a shuffled order. A kernel that assumes an order between CTAs or lacks a barrier
+// global memory is host memory. A grid's CTAs start in a shuffled order, up to four resident at
+// once (TROUPE_EMU_RESIDENT_CTAS), one running: at a global atomic or __threadfence another
+// resident CTA may continue, half the time, so a CTA that counts itself done before all its
+// threads wrote what the last CTA reads is seen doing so; each round of a CTA's fibers goes in a
+// shuffled order. A kernel that assumes an order between CTAs or lacks a barrier
 // between its threads can fail here as it could on a device.
 //
 // Streams are queues (runtime_emu.cpp): the emulated device works through them in an order of its
@@ -26,8 +26,8 @@
 // launch: a programmatic launch right behind a kernel on its stream (launch.cuh's launch() under a
 // pdl_scope) half the time starts first, its CTAs that may be resident running up to pdl_wait(),
 // then the kernel ahead, then the rest of it; so a read before pdl_wait() of what the kernel ahead
-// writes sees the old bytes. Host threads may call the runtime at once: it serializes them. tests/cuda_emu/cuda_emu.test.cpp checks that the
-// emulation sees the mistakes it claims to.
+// writes sees the old bytes. Host threads may call the runtime at once: it serializes them.
+// tests/cuda_emu/cuda_emu.test.cpp checks that the emulation sees the mistakes it claims to.
 #pragma once
 
 #ifndef TROUPE_CUDA_EMU
