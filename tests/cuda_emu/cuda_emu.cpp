@@ -111,9 +111,9 @@ struct cta_slot {
   bool parked = false;  // every thread not returned waits in pdl_wait() or at a barrier behind it
 };
 
-// One grid's execution: up to `limit` CTAs resident at once, one running. There are two: a kernel
-// launched with programmatic dependent launch may run up to its pdl_wait() before the kernel ahead
-// of it runs (park_grid), and stays parked in the second while the first runs that kernel.
+// One grid's execution: up to `limit` CTAs resident at once, one running. A kernel launched with
+// programmatic dependent launch may run up to its pdl_wait() before the kernel ahead of it runs
+// (park_grid): it stays parked in a grid_run of its own while the first runs that kernel.
 struct grid_run {
   std::vector<cta_slot> slots;
   cta_slot* cta = nullptr;   // the running CTA
@@ -133,8 +133,11 @@ struct grid_run {
   barrier gate;
 };
 
+constexpr int max_parked = 2;  // programmatic launches parked at once: a chain of two behind a kernel
+
 struct state {
-  grid_run runs[2];  // [0]: the launch running; [1]: a programmatic launch parked at its pdl_wait()
+  grid_run runs[1 + max_parked];  // [0]: launches run through; the others: parked ones
+  std::vector<int> parked;        // the runs holding a parked grid, oldest first
   grid_run* run = &runs[0];
   uint64_t progress = 0;  // barrier releases, satisfied polls, fibers that ended
   uint64_t switches = 0;  // CTA switches at global atomics and fences
@@ -481,11 +484,16 @@ void run_grid(dim3 grid, dim3 block, size_t smem, std::function<void()> body) {
 }
 
 bool park_grid(dim3 grid, dim3 block, size_t smem, std::function<void()> body) {
-  grid_run& r = g.runs[1];
-  if (!r.running.empty() || !start_grid(r, grid, block, smem, std::move(body))) {
+  int free = 0;
+  for (int i = 1; i <= max_parked && !free; ++i)
+    if (std::find(g.parked.begin(), g.parked.end(), i) == g.parked.end()) free = i;
+  if (!free) return false;
+  grid_run& r = g.runs[free];
+  if (!start_grid(r, grid, block, smem, std::move(body))) {
     finish(r);
     return false;
   }
+  g.parked.push_back(free);
   r.gate_closed = true;
   drive(r);
   g.run = &g.runs[0];
@@ -493,7 +501,9 @@ bool park_grid(dim3 grid, dim3 block, size_t smem, std::function<void()> body) {
 }
 
 void finish_parked_grid() {
-  grid_run& r = g.runs[1];
+  if (g.parked.empty()) return;
+  grid_run& r = g.runs[g.parked.front()];
+  g.parked.erase(g.parked.begin());
   if (!r.aborted && sticky_error == cudaSuccess) {
     r.gate_closed = false;
     release(r.gate);

@@ -24,9 +24,10 @@
 // consistent: a missing fence goes unseen), device math's last-ulp behaviour (expf is the host's),
 // tensor-core accumulation order (mma is summed in float, in k order). Programmatic dependent
 // launch: a programmatic launch right behind a kernel on its stream (launch.cuh's launch() under a
-// pdl_scope) half the time starts first, its CTAs that may be resident running up to pdl_wait(),
-// then the kernel ahead, then the rest of it; so a read before pdl_wait() of what the kernel ahead
-// writes sees the old bytes. Host threads may call the runtime at once: it serializes them.
+// pdl_scope) half the time starts first, its CTAs that may be resident running up to pdl_wait()
+// (and half of those times the programmatic launch behind it too), then the kernel ahead, then the
+// rest of each; so a read before pdl_wait() of what a kernel one or two ahead writes sees the old
+// bytes. Host threads may call the runtime at once: it serializes them.
 // tests/cuda_emu/cuda_emu.test.cpp checks that the emulation sees the mistakes it claims to.
 #pragma once
 
@@ -94,9 +95,9 @@ uint64_t cta_switches();
 void run_grid(dim3 grid, dim3 block, size_t smem, std::function<void()> body);
 /// Starts a grid launched with programmatic dependent launch before the kernel ahead of it has run:
 /// as many CTAs as may be resident run until each thread waits in pdl_wait() or returns, then the
-/// grid is parked (false, nothing parked: the launch could not start, or a grid is parked already).
+/// grid is parked (false, nothing parked: the launch could not start, or two grids are parked).
 bool park_grid(dim3 grid, dim3 block, size_t smem, std::function<void()> body);
-/// Releases the parked grid's pdl_wait() and runs it to the end (abandons it after a fault).
+/// Releases the oldest parked grid's pdl_wait() and runs it to the end (abandons it after a fault).
 void finish_parked_grid();
 /// griddepcontrol.wait: in a parked grid, waits until finish_parked_grid(); else returns at once
 /// (the kernel ahead has completed: launches otherwise run one after another).

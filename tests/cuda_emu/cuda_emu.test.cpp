@@ -78,6 +78,15 @@ __global__ void copy_after_wait_kernel(const int* buf, int* out) {
   out[i] = x;
 }
 
+// A programmatic launch that reads after its wait: between fill_kernel and a copy, so the copy's
+// early read is of the output of the kernel two ahead.
+__global__ void between_kernel(const int* buf, int* other) {
+  pdl_launch_dependents();
+  pdl_wait();
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  other[i] = buf[i] + 1;
+}
+
 // Launches kernel `runs` times; the number of launches whose result was right.
 template <class Launch, class Right>
 int right_runs(int runs, Launch launch_once, Right right) {
@@ -156,6 +165,25 @@ TEST_CASE("the emulation starts a programmatic launch before the kernel ahead of
   // emulation (0.75^80 = 1e-10).
   CHECK(run(copy_after_wait_kernel<false>, 80) == 80);
   CHECK(run(copy_after_wait_kernel<true>, 80) < 80);
+
+  // Two ahead: fill, a programmatic launch, then the copy. The copy's early read is seen when
+  // both start before the fill, in about one run of sixteen (0.9375^300 = 4e-9).
+  test::dev_buf<int> other(n);
+  auto run2 = [&](auto copy_kernel, int runs) {
+    int v = 0;
+    return right_runs(
+        runs,
+        [&] {
+          ++v;
+          launch(fill_kernel, dim3(toy_ctas), dim3(toy_threads), 0, stream, buf.p, v);
+          launch(between_kernel, dim3(toy_ctas), dim3(toy_threads), 0, stream, buf.p, other.p);
+          launch(copy_kernel, dim3(toy_ctas), dim3(toy_threads), 0, stream, buf.p, out.p);
+          check(cudaStreamSynchronize(stream), "sync");
+        },
+        [&] { return out.download() == std::vector<int>(n, v) && other.download() == std::vector<int>(n, v + 1); });
+  };
+  CHECK(run2(copy_after_wait_kernel<false>, 300) == 300);
+  CHECK(run2(copy_after_wait_kernel<true>, 300) < 300);
   check(cudaStreamDestroy(stream), "stream");
   check(cudaGetLastError(), "launch");
 }

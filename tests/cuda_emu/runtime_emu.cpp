@@ -16,7 +16,7 @@
 // between streams), else at random below; streams run in any order their events allow. The legacy
 // default stream (0) waits for the blocking streams and runs its work at once. A programmatic
 // launch queued right behind a kernel starts, half the time, before that kernel runs, as far as
-// its pdl_wait() (run_front).
+// its pdl_wait(), and so may the one behind it (run_front).
 //
 // Graphs: a capturing stream appends its work (kernels with their parameters, copies, memsets) to
 // the capture; cudaGraphLaunch enqueues that work again. Calls that synchronize or allocate during
@@ -168,19 +168,26 @@ void run_front(CUstream_st& s) {
   item it = std::move(s.q.front());
   s.q.pop_front();
   if (it.kind == item::work && it.kernel && pdl_next(s) && sticky_error == cudaSuccess && random_u64() % 2) {
-    // The programmatic launch behind this kernel starts first, as far as its pdl_wait(): the
-    // earliest it may on a device. What it reads before the wait, this kernel has not written yet;
-    // what it writes, this kernel then reads. Half the time, so every pair of kernels in a chain of
-    // programmatic launches is sometimes the pair.
-    item next = std::move(s.q.front());
-    s.q.pop_front();
-    const kernel_launch& k = *next.launch;
-    const bool parked = park_grid(k.grid, k.block, k.smem, k.body);
+    // The programmatic launch behind this kernel starts first, as far as its pdl_wait(), and half
+    // the time the next one behind it too (a programmatic launch may start once the one ahead has
+    // started: so while this kernel still runs). What they read before the wait, this kernel has
+    // not written yet; what they write, it then reads. Half the time, so every pair of kernels in a
+    // chain of programmatic launches is sometimes the pair.
+    std::vector<std::pair<item, bool>> early;  // each with whether it parked
+    do {
+      item next = std::move(s.q.front());
+      s.q.pop_front();
+      const kernel_launch& k = *next.launch;
+      const bool parked = park_grid(k.grid, k.block, k.smem, k.body);
+      early.emplace_back(std::move(next), parked);
+    } while (early.size() < 2 && pdl_next(s) && random_u64() % 2);
     if (sticky_error == cudaSuccess) it.fn();
-    if (parked)
-      finish_parked_grid();
-    else if (sticky_error == cudaSuccess)
-      next.fn();
+    for (auto& [next, parked] : early) {
+      if (parked)
+        finish_parked_grid();
+      else if (sticky_error == cudaSuccess)
+        next.fn();
+    }
     return;
   }
   switch (it.kind) {
