@@ -117,7 +117,6 @@ struct cta_slot {
 struct grid_run {
   std::vector<cta_slot> slots;
   cta_slot* cta = nullptr;   // the running CTA
-  size_t resident = 0;       // CTAs started and not finished
   bool switch_requested = false;
   void* sched_sp = nullptr;
   fiber* cur = nullptr;
@@ -155,13 +154,18 @@ void release(barrier& b) {
 
 void yield() { troupe_emu_switch(&g.run->cur->sp, g.run->sched_sp); }
 
-void wait_at(barrier& b, int expected) {
-  if (++b.arrived >= expected) return release(b);
+// The running fiber waits until b's generation moves on.
+void block_on(barrier& b) {
   fiber& f = *g.run->cur;
   f.waiting = &b;
   f.wait_gen = b.gen;
   yield();
   f.waiting = nullptr;
+}
+
+void wait_at(barrier& b, int expected) {
+  if (++b.arrived >= expected) return release(b);
+  block_on(b);
 }
 
 int popcount(unsigned m) { return __builtin_popcount(m); }
@@ -370,7 +374,7 @@ bool is_shared(const void* p) {
 }
 
 void switch_point() {
-  if (g.run->resident < 2 || (g.rng() & 1)) return;
+  if (g.run->running.size() < 2 || (g.rng() & 1)) return;
   ++g.switches;
   g.run->switch_requested = true;
   yield();
@@ -395,7 +399,7 @@ bool launch_config_ok(dim3 grid, dim3 block, size_t smem) {
 
 namespace {
 
-// Makes r the running grid and starts it: nothing runs yet.
+// Sets grid r up for a launch (false: the launch cannot start); nothing runs yet.
 bool start_grid(grid_run& r, dim3 grid, dim3 block, size_t smem, std::function<void()> body) {
   seed_once();
   if (sticky_error != cudaSuccess) {
@@ -418,7 +422,6 @@ bool start_grid(grid_run& r, dim3 grid, dim3 block, size_t smem, std::function<v
   r.limit = std::min(resident_limit(), r.n_blocks);
   for (cta_slot& c : r.slots) c.active = false, c.parked = false;
   r.running.clear();
-  r.resident = 0;
   r.gate_closed = false;
   return true;
 }
@@ -447,7 +450,6 @@ void drive(grid_run& r) {
     for (size_t i = 0; i < r.running.size(); ++i)
       if (!r.running[i]->parked) ready.push_back(i);
     if (ready.empty()) break;
-    r.resident = r.running.size();
     const size_t pick = ready.size() == 1 ? ready[0] : ready[size_t(g.rng() % ready.size())];
     cta_slot& c = *r.running[pick];
     switch_to(c);
@@ -469,7 +471,6 @@ void drive(grid_run& r) {
 void finish(grid_run& r) {
   for (cta_slot& c : r.slots) c.active = false, c.parked = false;
   r.running.clear();
-  r.resident = 0;
   r.gate_closed = false;
   r.body = nullptr;
   g.run = &g.runs[0];
@@ -514,13 +515,7 @@ void finish_parked_grid() {
 }
 
 void pdl_wait() {
-  grid_run& r = *g.run;
-  if (!r.gate_closed) return;
-  fiber& f = *r.cur;
-  f.waiting = &r.gate;
-  f.wait_gen = r.gate.gen;
-  yield();
-  f.waiting = nullptr;
+  if (g.run->gate_closed) block_on(g.run->gate);
 }
 
 // ---- PTX stand-ins ------------------------------------------------------------------------------

@@ -144,46 +144,34 @@ TEST_CASE("the emulation catches a CTA counted done before all its threads wrote
 
 TEST_CASE("the emulation starts a programmatic launch before the kernel ahead of it", "[cuda][emu]") {
   const size_t n = size_t(toy_ctas) * toy_threads;
-  test::dev_buf<int> buf(n), out(n);
+  test::dev_buf<int> buf(n), out(n), other(n);
   cudaStream_t stream = nullptr;
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   const pdl_scope pdl(true);
-  auto run = [&](auto copy_kernel, int runs) {
+  // Fills buf, optionally passes it through between_kernel (a programmatic launch that waits),
+  // then copies it with copy_kernel; right when the copy (and the pass) saw the fill.
+  auto run = [&](auto copy_kernel, bool between, int runs) {
     int v = 0;
     return right_runs(
         runs,
         [&] {
           ++v;
           launch(fill_kernel, dim3(toy_ctas), dim3(toy_threads), 0, stream, buf.p, v);
+          if (between) launch(between_kernel, dim3(toy_ctas), dim3(toy_threads), 0, stream, buf.p, other.p);
           launch(copy_kernel, dim3(toy_ctas), dim3(toy_threads), 0, stream, buf.p, out.p);
           check(cudaStreamSynchronize(stream), "sync");
         },
-        [&] { return out.download() == std::vector<int>(n, v); });
+        [&] { return out.download() == std::vector<int>(n, v) && (!between || other.download() == std::vector<int>(n, v + 1)); });
   };
   // The pair starts early in about one launch of four (the fill has not run already at its
   // enqueue, and the coin says so): 80 right in a row for the early read would be a broken
   // emulation (0.75^80 = 1e-10).
-  CHECK(run(copy_after_wait_kernel<false>, 80) == 80);
-  CHECK(run(copy_after_wait_kernel<true>, 80) < 80);
-
+  CHECK(run(copy_after_wait_kernel<false>, false, 80) == 80);
+  CHECK(run(copy_after_wait_kernel<true>, false, 80) < 80);
   // Two ahead: fill, a programmatic launch, then the copy. The copy's early read is seen when
   // both start before the fill, in about one run of sixteen (0.9375^300 = 4e-9).
-  test::dev_buf<int> other(n);
-  auto run2 = [&](auto copy_kernel, int runs) {
-    int v = 0;
-    return right_runs(
-        runs,
-        [&] {
-          ++v;
-          launch(fill_kernel, dim3(toy_ctas), dim3(toy_threads), 0, stream, buf.p, v);
-          launch(between_kernel, dim3(toy_ctas), dim3(toy_threads), 0, stream, buf.p, other.p);
-          launch(copy_kernel, dim3(toy_ctas), dim3(toy_threads), 0, stream, buf.p, out.p);
-          check(cudaStreamSynchronize(stream), "sync");
-        },
-        [&] { return out.download() == std::vector<int>(n, v) && other.download() == std::vector<int>(n, v + 1); });
-  };
-  CHECK(run2(copy_after_wait_kernel<false>, 300) == 300);
-  CHECK(run2(copy_after_wait_kernel<true>, 300) < 300);
+  CHECK(run(copy_after_wait_kernel<false>, true, 300) == 300);
+  CHECK(run(copy_after_wait_kernel<true>, true, 300) < 300);
   check(cudaStreamDestroy(stream), "stream");
   check(cudaGetLastError(), "launch");
 }
