@@ -58,15 +58,17 @@ __host__ __device__ inline int decode_splits(int kv_len, int cap, int per_split)
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 #ifdef TROUPE_CUDA_EMU
-  memcpy(smem, gmem, 16);
+  troupe_emu::cp_async(smem, gmem, 16);
 #else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
 #endif
 }
 #ifdef TROUPE_CUDA_EMU
-__device__ __forceinline__ void cp_async_commit() {}
+__device__ __forceinline__ void cp_async_commit() { troupe_emu::cp_async_commit(); }
 template <int N>
-__device__ __forceinline__ void cp_async_wait() {}
+__device__ __forceinline__ void cp_async_wait() {
+  troupe_emu::cp_async_wait(N);
+}
 #else
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>

@@ -59,6 +59,15 @@ struct barrier {
   unsigned mask = 0;  // a warp barrier's lanes
 };
 
+// An asynchronous copy into shared memory (cp.async, cp.async.bulk) that has not landed: the
+// source is read when it lands, as a device may read it any time before then.
+struct async_copy {
+  void* dst;
+  const void* src;
+  uint32_t bytes;
+  uint64_t* bar;  // a bulk copy's mbarrier (complete_tx); null for cp.async
+};
+
 struct fiber {
   void* sp = nullptr;  // saved stack pointer while switched out
   void* stack = nullptr;
@@ -69,6 +78,8 @@ struct fiber {
   uint64_t wait_gen = 0;
   bool spinning = false;  // yielded while polling
   uint32_t exchanges = 0;  // full-warp exchanges done: which slot set the next one uses
+  std::vector<async_copy> cp_open;                 // cp.async copies not yet committed
+  std::vector<std::vector<async_copy>> cp_groups;  // committed groups not landed, oldest first
 };
 
 struct warp_state {
@@ -109,6 +120,7 @@ struct cta_slot {
   std::vector<std::pair<const void*, size_t>> static_at;  // each variable's key and offset, in first-use order
   bool active = false;
   bool parked = false;  // every thread not returned waits in pdl_wait() or at a barrier behind it
+  std::vector<async_copy> bulk;  // bulk copies in flight, in issue order
 };
 
 // One grid's execution: up to `limit` CTAs resident at once, one running. A kernel launched with
@@ -146,6 +158,36 @@ struct state {
 
 state g;
 
+// An mbarrier: expected arrivals, pending arrivals, pending transaction bytes, phase.
+struct mbar {
+  uint16_t count, pending;
+  int32_t tx : 31;
+  uint32_t phase : 1;
+};
+static_assert(sizeof(mbar) == 8);
+mbar& as_mbar(uint64_t* bar) { return *reinterpret_cast<mbar*>(bar); }
+void mbar_maybe_complete(mbar& m) {
+  if (m.pending == 0 && m.tx == 0) {
+    m.phase ^= 1u;
+    m.pending = m.count;
+  }
+}
+
+// Lands bulk copy i of CTA c: its bytes arrive and its mbarrier counts them.
+void land_bulk(cta_slot& c, size_t i) {
+  const async_copy a = c.bulk[i];
+  c.bulk.erase(c.bulk.begin() + std::ptrdiff_t(i));
+  std::memcpy(a.dst, a.src, a.bytes);
+  mbar& m = as_mbar(a.bar);
+  m.tx -= int32_t(a.bytes);
+  mbar_maybe_complete(m);
+  ++g.progress;
+}
+
+void land(const std::vector<async_copy>& copies) {
+  for (const async_copy& a : copies) std::memcpy(a.dst, a.src, a.bytes);
+}
+
 void release(barrier& b) {
   b.arrived = 0;
   ++b.gen;
@@ -173,6 +215,10 @@ int popcount(unsigned m) { return __builtin_popcount(m); }
 // A fiber that returned: the barriers its CTA and warp wait at no longer count it.
 void retire(fiber& f) {
   cta_slot& c = *g.run->cta;
+  if ((!f.cp_open.empty() || !f.cp_groups.empty()) && !g.run->aborted) {
+    g.run->aborted = true;
+    g.run->error = "a thread returned with cp.async copies it did not wait for (cp.async.wait_group)";
+  }
   f.done = true;
   ++g.progress;
   --c.live;
@@ -242,6 +288,7 @@ void start_cta(cta_slot& c, uint3 idx, size_t n_threads, size_t smem) {
     c.warps[w].live = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1;
   }
   c.bar = barrier{};
+  c.bulk.clear();
   c.live = int(n_threads);
   c.n_threads = n_threads;
   c.idx = idx;
@@ -261,6 +308,7 @@ void start_cta(cta_slot& c, uint3 idx, size_t n_threads, size_t smem) {
     f.tid = uint3{unsigned(i % block_dim.x), unsigned(i / block_dim.x % block_dim.y), unsigned(i / (block_dim.x * block_dim.y))};
     f.warp = int(i / 32), f.lane = int(i % 32);
     f.done = false, f.waiting = nullptr, f.spinning = false, f.exchanges = 0;
+    f.cp_open.clear(), f.cp_groups.clear();
     f.sp = fresh_stack(f.stack);
   }
   // Rounds visit the fibers in one shuffled order, each from a random start, alternately forward
@@ -302,6 +350,10 @@ void run_rounds(cta_slot& c) {
       }
     }
     if (!g.run->aborted && !ran && g.progress == before) {
+      if (!c.bulk.empty()) {  // every thread polls: the oldest bulk copy lands (it would, on a device)
+        land_bulk(c, 0);
+        continue;
+      }
       if (g.run->gate_closed) {  // parked, if some thread waits in pdl_wait() for the kernel ahead
         for (size_t i = 0; i < n; ++i)
           if (!c.fibers[i].done && c.fibers[i].waiting == &g.run->gate) {
@@ -454,6 +506,10 @@ void drive(grid_run& r) {
     cta_slot& c = *r.running[pick];
     switch_to(c);
     run_rounds(c);
+    if (!r.aborted && c.live == 0 && !c.bulk.empty()) {
+      r.aborted = true;
+      r.error = "the CTA ended with a bulk copy (cp.async.bulk) still writing its shared memory";
+    }
     if (r.aborted) {
       std::fprintf(stderr, "cuda_emu: launch failed in CTA (%u,%u,%u): %s\n", c.idx.x, c.idx.y, c.idx.z, r.error.c_str());
       last_error = sticky_error = cudaErrorLaunchFailure;
@@ -585,23 +641,6 @@ void mma_16816_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t 
   for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
 
-// An mbarrier: expected arrivals, pending arrivals, pending transaction bytes, phase.
-namespace {
-struct mbar {
-  uint16_t count, pending;
-  int32_t tx : 31;
-  uint32_t phase : 1;
-};
-static_assert(sizeof(mbar) == 8);
-mbar& as_mbar(uint64_t* bar) { return *reinterpret_cast<mbar*>(bar); }
-void mbar_maybe_complete(mbar& m) {
-  if (m.pending == 0 && m.tx == 0) {
-    m.phase ^= 1u;
-    m.pending = m.count;
-  }
-}
-}  // namespace
-
 void mbar_init(uint64_t* bar, uint32_t count) { as_mbar(bar) = mbar{uint16_t(count), uint16_t(count), 0, 0}; }
 void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
   mbar& m = as_mbar(bar);
@@ -613,15 +652,51 @@ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
 void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   if (bytes % 16 || reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16)
     trap("cp.async.bulk: size and addresses must be multiples of 16");
-  std::memcpy(dst, src, bytes);
-  mbar& m = as_mbar(bar);
-  m.tx -= int32_t(bytes);
-  mbar_maybe_complete(m);
+  if (!is_shared(dst) || !is_shared(static_cast<const unsigned char*>(dst) + bytes - 1) || !is_shared(bar))
+    trap("cp.async.bulk: the destination and the mbarrier must be in the CTA's shared memory");
+  cta_slot& c = *g.run->cta;
+  c.bulk.push_back(async_copy{dst, src, bytes, bar});
+  if (g.rng() & 1)  // half the time every copy in flight lands now, this one included
+    while (!c.bulk.empty()) land_bulk(c, 0);
 }
 bool mbar_test_parity(uint64_t* bar, uint32_t parity) {
+  cta_slot& c = *g.run->cta;
+  if (as_mbar(bar).phase == parity && (g.rng() & 1)) {  // not complete: half the time its oldest copy lands
+    for (size_t i = 0; i < c.bulk.size(); ++i)
+      if (c.bulk[i].bar == bar) {
+        land_bulk(c, i);
+        break;
+      }
+  }
   const bool done = as_mbar(bar).phase != parity;
   if (done) ++g.progress;
   return done;
+}
+
+void cp_async(void* dst, const void* src, uint32_t bytes) {
+  if ((bytes != 4 && bytes != 8 && bytes != 16) || reinterpret_cast<uintptr_t>(dst) % bytes ||
+      reinterpret_cast<uintptr_t>(src) % bytes)
+    trap("cp.async: 4, 8 or 16 bytes, both addresses aligned to the size");
+  if (!is_shared(dst)) trap("cp.async: the destination must be in the CTA's shared memory");
+  g.run->cur->cp_open.push_back(async_copy{dst, src, bytes, nullptr});
+}
+void cp_async_commit() {
+  fiber& f = *g.run->cur;
+  f.cp_groups.push_back(std::move(f.cp_open));
+  f.cp_open.clear();
+}
+void cp_async_wait(int n) {
+  fiber& f = *g.run->cur;
+  size_t keep = size_t(std::max(n, 0));
+  if (g.rng() & 1) {  // half the time every copy of the thread lands, the n newest groups included
+    keep = 0;
+    land(f.cp_open);
+    f.cp_open.clear();
+  }
+  while (f.cp_groups.size() > keep) {
+    land(f.cp_groups.front());
+    f.cp_groups.erase(f.cp_groups.begin());
+  }
 }
 
 }  // namespace troupe_emu

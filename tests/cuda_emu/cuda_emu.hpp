@@ -18,6 +18,10 @@
 // device. Graphs record the work captured from a stream, parameters included, and replay it.
 // cuBLASLt matmuls run on the CPU (cublaslt_emu.cpp).
 //
+// Asynchronous copies into shared memory (cp.async, cp.async.bulk) land late: at the wait that
+// covers them, or earlier at random (see the PTX stand-ins below), so a read before that wait sees
+// the old bytes.
+//
 // What it checks: the kernels' arithmetic, indexing, barriers and warp-level exchanges against the
 // CPU reference, including the fused and split paths; the host code's stream, event and graph
 // order. What it cannot: timing, memory ordering between CTAs (memory here is sequentially
@@ -194,10 +198,21 @@ void for_lanes(unsigned mask, F f) {
 
 void ldmatrix_x4(uint32_t (&r)[4], const void* smem, bool trans);
 void mma_16816_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+// Asynchronous copies land late: a bulk copy (cp.async.bulk) half the time when issued (every copy
+// of the CTA in flight then lands), else when a poll of its mbarrier lands it (half the polls) or
+// every thread of the CTA is stuck polling; a CTA that ends with one in flight fails. A thread's
+// cp.async copies land at its cp.async.wait_group: the groups older than the n newest, or half the
+// time all of them. So a read of a copy's destination before its wait sees the old bytes, and a
+// copy issued into memory still being read may overwrite it first. The source is read as it lands.
 void mbar_init(uint64_t* bar, uint32_t count);
 void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes);
 void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar);
 bool mbar_test_parity(uint64_t* bar, uint32_t parity);
+/// cp.async.ca/cg of 4, 8 or 16 bytes into shared memory; commit_group; wait_group n. A thread
+/// that returns with copies it did not wait for fails the launch.
+void cp_async(void* dst, const void* src, uint32_t bytes);
+void cp_async_commit();
+void cp_async_wait(int n);
 
 }  // namespace troupe_emu
 

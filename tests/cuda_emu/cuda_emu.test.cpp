@@ -87,14 +87,97 @@ __global__ void between_kernel(const int* buf, int* other) {
   other[i] = buf[i] + 1;
 }
 
-// Launches kernel `runs` times; the number of launches whose result was right.
+// Tiles of in (copy_threads 16-byte chunks each) pass through two shared-memory stages by
+// cp.async, tile t + 1 copied while tile t is read, each thread reading its neighbour's chunk after
+// a barrier. Mistakes (M): 1 reads without waiting for its copies; 2 waits only after the barrier,
+// so a neighbour's copy may not have landed; 3 leaves one group pending at the last tile (and
+// returns with it).
+constexpr int copy_threads = 64, copy_tiles = 6;
+
+template <int M>
+__global__ void cp_async_tiles_kernel(const uint4* in, uint4* out) {
+  struct stages {
+    uint4 buf[2][copy_threads];
+  };
+  TROUPE_SHARED(stages, sm);
+  const int me = int(threadIdx.x), next = (me + 1) % copy_threads;
+  auto issue = [&](int t) {
+    troupe_emu::cp_async(&sm.buf[t & 1][me], &in[t * copy_threads + me], 16);
+    troupe_emu::cp_async_commit();
+  };
+  issue(0);
+  for (int t = 0; t < copy_tiles; ++t) {
+    const bool more = t + 1 < copy_tiles;
+    if (more) issue(t + 1);
+    if (M == 0 || M == 3) troupe_emu::cp_async_wait(more || M == 3 ? 1 : 0);
+    __syncthreads();
+    if (M == 2) troupe_emu::cp_async_wait(more ? 1 : 0);
+    out[t * copy_threads + next] = sm.buf[t & 1][next];
+    __syncthreads();  // every thread read stage t & 1 before tile t + 2 is copied into it
+  }
+  if (M == 1) troupe_emu::cp_async_wait(0);  // (waited, but only after every read)
+}
+
+// Chunks of in (copy_threads 16-byte vectors each) arrive by bulk copies, counted on an mbarrier
+// per stage, into a ring of two stages that thread 0 refills once every thread has read a stage.
+// Mistakes (M): 1 reads a stage without waiting on its mbarrier; 2 copies one chunk more than it
+// reads, still in flight when the CTA ends.
+template <int M>
+__global__ void bulk_tiles_kernel(const uint4* in, uint4* out) {
+  struct stages {
+    uint4 buf[2][copy_threads];
+    uint64_t full[2];
+  };
+  TROUPE_SHARED(stages, sm);
+  constexpr uint32_t chunk = copy_threads * sizeof(uint4);
+  auto issue = [&](int c) {
+    troupe_emu::mbar_arrive_expect_tx(&sm.full[c & 1], chunk);
+    troupe_emu::bulk_copy(sm.buf[c & 1], in + (c % copy_tiles) * copy_threads, chunk, &sm.full[c & 1]);
+  };
+  const int me = int(threadIdx.x);
+  if (me == 0) {
+    troupe_emu::mbar_init(&sm.full[0], 1);
+    troupe_emu::mbar_init(&sm.full[1], 1);
+    issue(0);
+    issue(1);
+  }
+  __syncthreads();
+  for (int c = 0; c < copy_tiles; ++c) {
+    if (M != 1)
+      while (!troupe_emu::mbar_test_parity(&sm.full[c & 1], uint32_t((c / 2) & 1))) troupe_emu::spin_yield();
+    out[c * copy_threads + (me + 1) % copy_threads] = sm.buf[c & 1][(me + 1) % copy_threads];
+    __syncthreads();
+    if (me == 0 && c + 2 < copy_tiles + (M == 2 ? 1 : 0)) issue(c + 2);
+  }
+}
+
+// A failed launch poisons the emulated context, as a fault does a device's; the runs below clear
+// it after each launch (a device would need a reset).
+bool launch_failed() {
+  const bool failed = cudaDeviceSynchronize() != cudaSuccess;
+  troupe_emu::sticky_error = cudaSuccess;
+  (void)cudaGetLastError();
+  return failed;
+}
+
+// Launches `runs` times; the number of launches that ran and whose result was right.
 template <class Launch, class Right>
 int right_runs(int runs, Launch launch_once, Right right) {
   int n = 0;
   for (int r = 0; r < runs; ++r) {
     launch_once();
-    check(cudaDeviceSynchronize(), "sync");
-    if (right()) ++n;
+    if (!launch_failed() && right()) ++n;
+  }
+  return n;
+}
+
+// Launches `runs` times; the number of launches that failed.
+template <class Launch>
+int failed_runs(int runs, Launch launch_once) {
+  int n = 0;
+  for (int r = 0; r < runs; ++r) {
+    launch_once();
+    n += launch_failed();
   }
   return n;
 }
@@ -173,6 +256,39 @@ TEST_CASE("the emulation starts a programmatic launch before the kernel ahead of
   CHECK(run(copy_after_wait_kernel<false>, true, 300) == 300);
   CHECK(run(copy_after_wait_kernel<true>, true, 300) < 300);
   check(cudaStreamDestroy(stream), "stream");
+  check(cudaGetLastError(), "launch");
+}
+
+TEST_CASE("the emulation lands async copies late: a read before the wait sees the old bytes", "[cuda][emu]") {
+  const size_t n = size_t(copy_tiles) * copy_threads;
+  std::vector<uint4> host(n);
+  for (size_t i = 0; i < n; ++i) host[i] = uint4{unsigned(i), unsigned(3 * i + 1), unsigned(i ^ 0x5a5a), 7u};
+  test::dev_buf<uint4> in(host), out(n);
+  const auto launch_once = [&](auto kernel) {
+    return [&, kernel] {
+      out.upload(std::vector<uint4>(n, uint4{0, 0, 0, 0}));
+      launch_ordinary(kernel, dim3(2), dim3(copy_threads), 0, nullptr, in.p, out.p);
+    };
+  };
+  const auto right = [&] {
+    const std::vector<uint4> got = out.download();
+    for (size_t i = 0; i < n; ++i)
+      if (got[i].x != host[i].x || got[i].y != host[i].y || got[i].z != host[i].z || got[i].w != host[i].w) return false;
+    return true;
+  };
+  const int runs = 20;
+  // cp.async: a thread's copies land at its wait_group, so these are wrong in most runs; the last
+  // returns with a copy pending in some thread of nearly every launch (all 128 land early: 2^-128).
+  CHECK(right_runs(runs, launch_once(cp_async_tiles_kernel<0>), right) == runs);
+  CHECK(right_runs(runs, launch_once(cp_async_tiles_kernel<1>), right) < runs);
+  CHECK(right_runs(runs, launch_once(cp_async_tiles_kernel<2>), right) < runs);
+  CHECK(failed_runs(runs, launch_once(cp_async_tiles_kernel<3>)) == runs);
+  // Bulk copies: without the mbarrier wait, stale stages or a failed launch (thread 0 arrives again
+  // on a stage whose copy has not landed; a copy in flight when the CTA ends).
+  CHECK(right_runs(runs, launch_once(bulk_tiles_kernel<0>), right) == runs);
+  CHECK(right_runs(2 * runs, launch_once(bulk_tiles_kernel<1>), right) < 2 * runs);
+  // The extra copy lands at its issue half the time in each of the two CTAs: about 3 runs of 4 fail.
+  CHECK(failed_runs(runs, launch_once(bulk_tiles_kernel<2>)) > 0);
   check(cudaGetLastError(), "launch");
 }
 
