@@ -6,10 +6,14 @@
 // Start: the first executor that cannot build its backend (weights, KV pools: out of memory, no
 // such device) is not restarted — the same configuration would fail the same way. Its error
 // answers `ready` (engine_handle::start waits on it) and opens the circuit. Once an executor
-// has been up, a death is restarted as above, and the circuit's reason names the last error.
+// has been up, a death is restarted as above, and the circuit's reason names the first error of
+// the window (the cause: a device fault, say) and the last (what restarting then met). Each death
+// is logged to stderr.
 #include <chrono>
+#include <cstdio>
 #include <deque>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "actors/runtime.hpp"
@@ -20,7 +24,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
                                double window_s) {
   struct state {
     caf::actor executor;
-    std::deque<std::chrono::steady_clock::time_point> deaths;
+    std::deque<std::pair<std::chrono::steady_clock::time_point, std::string>> deaths;  // within the window
     bool ever_up = false;
     std::string start_error;  // the first executor's, when it never came up
     std::vector<caf::response_promise> ready_waiters;
@@ -50,14 +54,20 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
       return;
     }
     const auto now = std::chrono::steady_clock::now();
-    st->deaths.push_back(now);
-    while (!st->deaths.empty() && std::chrono::duration<double>(now - st->deaths.front()).count() > window_s) st->deaths.pop_front();
-    if ((int)st->deaths.size() > max_restarts) {
-      self->send<caf::message_priority::high>(scheduler, circuit_atom::value,
-                                              "its executor failed " + std::to_string(st->deaths.size()) + " times in " +
-                                                  std::to_string((int)window_s) + " s (last: " + why + ")");
+    st->deaths.emplace_back(now, why);
+    while (!st->deaths.empty() && std::chrono::duration<double>(now - st->deaths.front().first).count() > window_s)
+      st->deaths.pop_front();
+    const int n = int(st->deaths.size());
+    if (n > max_restarts) {
+      std::string reason = "its executor failed " + std::to_string(n) + " times in " + std::to_string((int)window_s) + " s (";
+      if (n > 1 && st->deaths.front().second != why) reason += "first: " + st->deaths.front().second + "; ";
+      reason += "last: " + why + ")";
+      std::fprintf(stderr, "troupe: executor failed: %s; not restarted: the model is unavailable\n", why.c_str());
+      self->send<caf::message_priority::high>(scheduler, circuit_atom::value, reason);
       return;
     }
+    std::fprintf(stderr, "troupe: executor failed: %s; restarting it (%d of %d restarts in %d s)\n", why.c_str(), n, max_restarts,
+                 (int)window_s);
     spawn_executor();
   });
   self->set_exit_handler([=](caf::exit_msg& em) {

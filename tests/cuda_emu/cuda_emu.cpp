@@ -1,6 +1,7 @@
 // The CPU emulation of CUDA behind cuda_emu.hpp: the fiber scheduler that runs a CTA's threads
 // and the PTX stand-ins (the runtime API: runtime_emu.cpp; cuBLASLt: cublaslt_emu.cpp).
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -451,6 +452,17 @@ bool launch_config_ok(dim3 grid, dim3 block, size_t smem) {
 
 namespace {
 
+// Fault injection for the serving tests: with TROUPE_EMU_FAULT_FILE set, the first launch that
+// finds that file removes it and faults as an illegal memory access would (the context is lost:
+// every later call fails), so a test decides when a device fault happens by creating the file.
+bool injected_fault() {
+  static const char* const path = std::getenv("TROUPE_EMU_FAULT_FILE");
+  if (!path || ::unlink(path) != 0) return false;
+  std::fprintf(stderr, "cuda_emu: injected fault (%s): an illegal memory access in this launch\n", path);
+  last_error = sticky_error = cudaErrorIllegalAddress;
+  return true;
+}
+
 // Sets grid r up for a launch (false: the launch cannot start); nothing runs yet.
 bool start_grid(grid_run& r, dim3 grid, dim3 block, size_t smem, std::function<void()> body) {
   seed_once();
@@ -458,7 +470,7 @@ bool start_grid(grid_run& r, dim3 grid, dim3 block, size_t smem, std::function<v
     last_error = sticky_error;
     return false;
   }
-  if (!launch_config_ok(grid, block, smem)) return false;
+  if (!launch_config_ok(grid, block, smem) || injected_fault()) return false;
   r.grid = grid, r.block = block, r.smem = smem;
   r.n_threads = size_t(block.x) * block.y * block.z;
   r.n_blocks = size_t(grid.x) * grid.y * grid.z;

@@ -11,8 +11,10 @@ The first test is scripts/gpu_e2e_client.py, the same checks scripts/gpu-e2e.sh 
 """
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -104,3 +106,37 @@ def test_penalties_applied_on_the_device_pick_what_the_host_picks():
             st, host = request(port, "POST", "/v1/completions", {**body, "logprobs": 1}, timeout=600)
             assert st == 200, host
             assert device["choices"][0]["text"] == host["choices"][0]["text"], p
+
+
+def test_a_device_fault_fails_requests_clearly_and_turns_the_server_unready(tmp_path, monkeypatch):
+    """A kernel that faults (an illegal memory access: the emulation injects one at the first launch
+    after the test creates TROUPE_EMU_FAULT_FILE) loses the CUDA context, so every later CUDA call
+    fails and a restarted executor cannot start either. The generation in flight ends with an error
+    that names the fault (the kernel whose check saw it first, then what the restarts met), at once
+    rather than at its timeout; the circuit opens, later requests are refused at once, /ready says
+    unavailable while the process still answers, each executor failure is logged, and SIGTERM still
+    stops the server."""
+    fault = tmp_path / "fault"
+    monkeypatch.setenv("TROUPE_EMU_FAULT_FILE", str(fault))
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with running_server("--model", str(MODEL), "--device", "cuda", start_timeout=120) as (port, proc):
+        st, ok = request(port, "POST", "/v1/completions", body, timeout=600)
+        assert st == 200, ok
+        assert request(port, "GET", "/ready")[0] == 200
+        fault.touch()
+        st, failed = request(port, "POST", "/v1/completions", body, timeout=600)
+        assert not fault.exists(), "no launch took the injected fault"
+        assert st in (500, 503), failed
+        message = failed["error"]["message"]
+        assert "first: " in message and "illegal memory access" in message.split("first: ")[1].split(";")[0], message
+        st, ready = request(port, "GET", "/ready")
+        assert st == 503 and ready["circuit_open"] and not ready["executor_alive"], ready
+        t0 = time.monotonic()
+        st, refused = request(port, "POST", "/v1/completions", body, timeout=60)
+        assert st == 503 and time.monotonic() - t0 < 5, refused
+        assert "illegal memory access" in refused["error"]["message"], refused
+        assert request(port, "GET", "/health")[0] == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        log = proc.stdout.read()
+        assert "troupe: executor failed: " in log and "not restarted: the model is unavailable" in log, log
