@@ -3,6 +3,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
 #include <cstdio>
 #include <cstdlib>
 #include <new>
@@ -132,6 +137,8 @@ struct grid_run {
   cta_slot* cta = nullptr;   // the running CTA
   bool switch_requested = false;
   void* sched_sp = nullptr;
+  const void* sched_stack = nullptr;  // the scheduling thread's stack (AddressSanitizer builds)
+  size_t sched_stack_bytes = 0;
   fiber* cur = nullptr;
   std::function<void()> body;
   bool aborted = false;
@@ -195,7 +202,34 @@ void release(barrier& b) {
   ++g.progress;
 }
 
-void yield() { troupe_emu_switch(&g.run->cur->sp, g.run->sched_sp); }
+// Stack switches. An AddressSanitizer build (a separate build dir, kernels/cuda/README.md) is told
+// of each: before it, which stack comes next; after it, that it arrived (and from which stack).
+#if defined(__SANITIZE_ADDRESS__)
+void to_fiber(fiber& f) {
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, f.stack, stack_bytes);
+  troupe_emu_switch(&g.run->sched_sp, f.sp);
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+}
+void arrived_in_fiber(void* fake) { __sanitizer_finish_switch_fiber(fake, &g.run->sched_stack, &g.run->sched_stack_bytes); }
+void to_scheduler(void** fake_save) {
+  __sanitizer_start_switch_fiber(fake_save, g.run->sched_stack, g.run->sched_stack_bytes);
+  troupe_emu_switch(&g.run->cur->sp, g.run->sched_sp);
+}
+// A stack starts afresh: frames a fiber abandoned in it (a failed launch) leave no poison behind.
+void clean_stack(void* stack) { ASAN_UNPOISON_MEMORY_REGION(stack, stack_bytes); }
+#else
+void to_fiber(fiber& f) { troupe_emu_switch(&g.run->sched_sp, f.sp); }
+void arrived_in_fiber(void*) {}
+void to_scheduler(void**) { troupe_emu_switch(&g.run->cur->sp, g.run->sched_sp); }
+void clean_stack(void*) {}
+#endif
+
+void yield() {
+  void* fake = nullptr;
+  to_scheduler(&fake);
+  arrived_in_fiber(fake);
+}
 
 // The running fiber waits until b's generation moves on.
 void block_on(barrier& b) {
@@ -232,6 +266,7 @@ void retire(fiber& f) {
 
 // A fiber's first code: runs the kernel body for g.run->cur, then switches back for good.
 void fiber_main() {
+  arrived_in_fiber(nullptr);
   fiber& f = *g.run->cur;
   try {
     g.run->body();
@@ -246,13 +281,14 @@ void fiber_main() {
     g.run->error = "exception in device code";
   }
   retire(f);
-  troupe_emu_switch(&f.sp, g.run->sched_sp);
+  to_scheduler(nullptr);  // for good: no fake stack to keep
   __builtin_unreachable();
 }
 
 // A fresh stack whose first switch "returns" into fiber_main: six zeroed registers to pop, then
 // the return address, placed so that rsp + 8 is 16-byte aligned at fiber_main's entry.
 void* fresh_stack(void* stack) {
+  clean_stack(stack);
   auto top = (reinterpret_cast<uintptr_t>(stack) + stack_bytes) & ~uintptr_t(15);
   auto* p = reinterpret_cast<void**>(top);
   *--p = nullptr;                                       // alignment pad (fiber_main's "return address" slot)
@@ -341,7 +377,7 @@ void run_rounds(cta_slot& c) {
       if (f.done || (f.waiting && f.waiting->gen == f.wait_gen)) continue;
       f.spinning = false;
       g.run->cur = &f;
-      troupe_emu_switch(&g.run->sched_sp, f.sp);
+      to_fiber(f);
       g.run->cur = nullptr;
       ran = ran || !f.spinning;
       if (g.run->aborted) break;

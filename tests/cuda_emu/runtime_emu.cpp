@@ -23,6 +23,10 @@
 // a capture in global or thread-local mode, work on the legacy stream while a blocking stream
 // captures, and event records or waits inside a capture (not emulated) invalidate it: the capture
 // ends in cudaErrorStreamCaptureInvalidated and the call reports an error.
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -460,6 +464,11 @@ cudaError_t cudaMalloc(void** p, size_t n) {
   *p = std::aligned_alloc(256, bytes);
   if (!*p) return fail(cudaErrorMemoryAllocation);
   std::memset(*p, 0xFF, bytes);
+#if defined(__SANITIZE_ADDRESS__)
+  // An AddressSanitizer build reports any access past the bytes asked for, as compute-sanitizer's
+  // memcheck would, though the allocation is rounded up to 256 bytes as a device's is.
+  ASAN_POISON_MEMORY_REGION(static_cast<unsigned char*>(*p) + n, bytes - n);
+#endif
   dev().allocations.emplace(reinterpret_cast<uintptr_t>(*p), bytes);
   dev().allocated += bytes;
   return cudaSuccess;
@@ -472,6 +481,9 @@ cudaError_t cudaFree(void* p) {
   if (it == dev().allocations.end()) return fail(cudaErrorInvalidValue);
   drain_all();  // cudaFree waits for the device
   dev().allocated -= it->second;
+#if defined(__SANITIZE_ADDRESS__)
+  ASAN_UNPOISON_MEMORY_REGION(p, it->second);
+#endif
   dev().allocations.erase(it);
   std::free(p);
   return ok();
