@@ -54,6 +54,20 @@ namespace {
 
 constexpr size_t stack_bytes = 256 * 1024;
 constexpr size_t static_smem_limit = 48 * 1024;  // a device's limit for static shared memory per CTA
+#if defined(__SANITIZE_ADDRESS__)
+// An AddressSanitizer build keeps a poisoned gap before each static shared variable, and poisons
+// the rest of the static area and the dynamic area's padding, so a CTA's access outside its shared
+// variables is reported (compute-sanitizer's memcheck checks shared memory too).
+constexpr size_t shared_redzone = 64;
+constexpr size_t statics_capacity = 2 * static_smem_limit;  // room for the gaps
+void poison(const void* p, size_t n) { ASAN_POISON_MEMORY_REGION(p, n); }
+void unpoison(const void* p, size_t n) { ASAN_UNPOISON_MEMORY_REGION(p, n); }
+#else
+constexpr size_t shared_redzone = 0;
+constexpr size_t statics_capacity = static_smem_limit;
+void poison(const void*, size_t) {}
+void unpoison(const void*, size_t) {}
+#endif
 
 struct trap_exception {
   const char* why;
@@ -121,8 +135,9 @@ struct cta_slot {
   std::vector<unsigned char> dyn_store;
   unsigned char* dyn = nullptr;
   size_t dyn_bytes = 0;
-  std::unique_ptr<unsigned char[]> statics;  // static shared variables (TROUPE_SHARED), static_smem_limit bytes
-  size_t statics_used = 0;
+  std::unique_ptr<unsigned char[]> statics;  // static shared variables (TROUPE_SHARED), statics_capacity bytes
+  size_t statics_used = 0;   // the end of the last variable in `statics`
+  size_t statics_bytes = 0;  // the bytes a device would count (without the sanitizer's gaps)
   std::vector<std::pair<const void*, size_t>> static_at;  // each variable's key and offset, in first-use order
   bool active = false;
   bool parked = false;  // every thread not returned waits in pdl_wait() or at a barrier behind it
@@ -330,15 +345,19 @@ void start_cta(cta_slot& c, uint3 idx, size_t n_threads, size_t smem) {
   c.n_threads = n_threads;
   c.idx = idx;
   if (smem) {
+    unpoison(c.dyn_store.data(), c.dyn_store.size());  // before the vector may move its bytes
     c.dyn_store.resize(smem + 128);
     c.dyn = c.dyn_store.data() + (128 - reinterpret_cast<uintptr_t>(c.dyn_store.data()) % 128) % 128;
     std::memset(c.dyn, 0xFF, smem);  // uninitialized shared memory reads as NaN
+    poison(c.dyn_store.data(), size_t(c.dyn - c.dyn_store.data()));
+    poison(c.dyn + smem, size_t(c.dyn_store.data() + c.dyn_store.size() - (c.dyn + smem)));
   } else {
     c.dyn = nullptr;
   }
   c.dyn_bytes = smem;
-  if (!c.statics) c.statics = std::make_unique<unsigned char[]>(static_smem_limit);
-  c.statics_used = 0;
+  if (!c.statics) c.statics = std::make_unique<unsigned char[]>(statics_capacity);
+  c.statics_used = c.statics_bytes = 0;
+  poison(c.statics.get(), statics_capacity);
   c.static_at.clear();
   for (size_t i = 0; i < n_threads; ++i) {
     fiber& f = c.fibers[i];
@@ -448,8 +467,10 @@ void* cta_static(const void* key, size_t bytes, size_t align) {
   cta_slot& c = *g.run->cta;
   for (const auto& [k, at] : c.static_at)
     if (k == key) return c.statics.get() + at;
-  const size_t at = (c.statics_used + align - 1) / align * align;
-  if (at + bytes > static_smem_limit) trap("static shared memory beyond 48 KiB in one CTA");
+  const size_t at = (c.statics_used + shared_redzone + align - 1) / align * align;
+  c.statics_bytes = (c.statics_bytes + align - 1) / align * align + bytes;
+  if (c.statics_bytes > static_smem_limit || at + bytes > statics_capacity) trap("static shared memory beyond 48 KiB in one CTA");
+  unpoison(c.statics.get() + at, bytes);
   std::memset(c.statics.get() + at, 0xFF, bytes);  // uninitialized shared memory reads as NaN
   c.static_at.emplace_back(key, at);
   c.statics_used = at + bytes;
@@ -459,7 +480,7 @@ void* cta_static(const void* key, size_t bytes, size_t align) {
 bool is_shared(const void* p) {
   const auto* b = static_cast<const unsigned char*>(p);
   const cta_slot& c = *g.run->cta;
-  return (b >= c.statics.get() && b < c.statics.get() + static_smem_limit) || (c.dyn && b >= c.dyn && b < c.dyn + c.dyn_bytes);
+  return (b >= c.statics.get() && b < c.statics.get() + statics_capacity) || (c.dyn && b >= c.dyn && b < c.dyn + c.dyn_bytes);
 }
 
 void switch_point() {
