@@ -231,13 +231,10 @@ void to_scheduler(void** fake_save) {
   __sanitizer_start_switch_fiber(fake_save, g.run->sched_stack, g.run->sched_stack_bytes);
   troupe_emu_switch(&g.run->cur->sp, g.run->sched_sp);
 }
-// A stack starts afresh: frames a fiber abandoned in it (a failed launch) leave no poison behind.
-void clean_stack(void* stack) { ASAN_UNPOISON_MEMORY_REGION(stack, stack_bytes); }
 #else
 void to_fiber(fiber& f) { troupe_emu_switch(&g.run->sched_sp, f.sp); }
 void arrived_in_fiber(void*) {}
 void to_scheduler(void**) { troupe_emu_switch(&g.run->cur->sp, g.run->sched_sp); }
-void clean_stack(void*) {}
 #endif
 
 void yield() {
@@ -303,7 +300,7 @@ void fiber_main() {
 // A fresh stack whose first switch "returns" into fiber_main: six zeroed registers to pop, then
 // the return address, placed so that rsp + 8 is 16-byte aligned at fiber_main's entry.
 void* fresh_stack(void* stack) {
-  clean_stack(stack);
+  unpoison(stack, stack_bytes);  // frames a fiber abandoned here (a failed launch) leave no poison behind
   auto top = (reinterpret_cast<uintptr_t>(stack) + stack_bytes) & ~uintptr_t(15);
   auto* p = reinterpret_cast<void**>(top);
   *--p = nullptr;                                       // alignment pad (fiber_main's "return address" slot)
