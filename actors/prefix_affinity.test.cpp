@@ -29,7 +29,7 @@ TEST_CASE("prefix_affinity: the deepest known prefix wins, among usable replicas
   CHECK(!a.find(other, [](size_t r) { return r != 0; }));
 }
 
-TEST_CASE("prefix_affinity: bounded, least recently routed forgotten first; forget(replica)", "[actors][routing]") {
+TEST_CASE("prefix_affinity: bounded, least recently routed forgotten first, forget(replica)", "[actors][routing]") {
   prefix_affinity a(4);
   a.record(std::vector<uint64_t>{1, 2}, 0);
   a.record(std::vector<uint64_t>{3, 4}, 1);

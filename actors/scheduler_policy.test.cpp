@@ -79,7 +79,7 @@ TEST_CASE("a stop decided by the caller finishes the sequence", "[scheduler]") {
   d.require_drained();
 }
 
-TEST_CASE("max_num_seqs bounds the running set; FIFO within a class", "[scheduler]") {
+TEST_CASE("max_num_seqs bounds the running set, FIFO within a class", "[scheduler]") {
   scheduler_config c = base_config();
   c.max_num_seqs = 2;
   c.max_batched_tokens = 64;

@@ -181,7 +181,7 @@ TEST_CASE("a request actor that dies frees its sequence through its down message
   CHECK(st.invariant_error.empty());
 }
 
-TEST_CASE("pipelining: the next decode is planned while a step runs; a finished sequence's ahead token is dropped", "[actors][order]") {
+TEST_CASE("pipelining: the next decode is planned while a step runs, a finished sequence's ahead token is dropped", "[actors][order]") {
   fixture f(true);
   auto log = std::make_shared<fake_executor_log>();
   auto e = f.sys->spawn(fake_executor, log);

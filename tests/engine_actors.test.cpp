@@ -389,7 +389,7 @@ TEST_CASE("a KV cache larger than the machine's memory is refused before anythin
   CHECK_THROWS_WITH(actors::engine_handle::start(o), Catch::Contains("of host memory") && Catch::Contains("lower --kv-mb"));
 }
 
-TEST_CASE("repeated executor faults open the circuit; refusals name the last error", "[actors][model][fault]") {
+TEST_CASE("repeated executor faults open the circuit, refusals name the last error", "[actors][model][fault]") {
   auto o = options();
   o.max_restarts = 1;
   auto eng = actors::engine_handle::start(o);
