@@ -220,7 +220,8 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   executor_config ec{p->model, o.n_threads, shape, n_dev, n_host, o.cuda_device, o.tensor_parallel, o.pipeline_parallel, o.expert_parallel,
                      sc.max_batched_tokens, sc.max_num_seqs, sc.max_model_len, o.fail_executor_start,
                      o.emulate_device_sampling, o.cuda_graphs, o.cuda_fused_decode};
-  if (o.local_executor) p->supervisor = p->sys->spawn(supervisor_actor, p->scheduler, ec, o.max_restarts, o.restart_window_s);
+  if (o.local_executor)
+    p->supervisor = p->sys->spawn(supervisor_actor, p->scheduler, ec, o.max_restarts, o.restart_window_s, o.on_device_lost);
   auto h = std::unique_ptr<engine_handle>(new engine_handle(std::move(p)));  // stops the actors if we throw
   if (o.local_executor) {
     caf::scoped_actor self{*h->impl_->sys};
@@ -311,10 +312,10 @@ bool engine_handle::drain(std::chrono::milliseconds timeout) {
 }
 
 void engine_handle::fail_all(const std::string& why) {
-  caf::anon_send<caf::message_priority::high>(impl_->scheduler, circuit_atom::value, why);
+  caf::anon_send<caf::message_priority::high>(impl_->scheduler, circuit_atom::value, why, false);
 }
 
-void engine_handle::inject_executor_fault() { caf::anon_send(impl_->scheduler, fault_atom::value); }
+void engine_handle::inject_executor_fault(bool device_lost) { caf::anon_send(impl_->scheduler, fault_atom::value, device_lost); }
 
 const engine::model& engine_handle::model() const { return *impl_->model; }
 

@@ -114,6 +114,10 @@ struct engine_options {
   double step_timeout_s = 120;   // an executor step longer than this counts as a failure
   int max_restarts = 3;          // executor restarts within restart_window_s before giving up
   double restart_window_s = 60;
+  // Called once, on an actor thread, when the executor's device is lost (a sticky CUDA error: the
+  // process can never use the device again), with the reason requests are refused with. Must not
+  // block. The circuit is open by then, whether or not this is set.
+  std::function<void(const std::string&)> on_device_lost;
   double start_timeout_s = 600;  // longest wait for the executor to build its backend (weights, KV)
   std::string fail_executor_start;  // tests: building the executor's backend throws this text
   // Data-parallel replicas (CAF middleman). Plain TCP unless the TLS files are named: bind and
@@ -153,6 +157,7 @@ struct engine_stats {
   size_t n_running = 0, n_waiting = 0;
   int32_t executor_restarts = 0;
   bool executor_alive = false, circuit_open = false;
+  std::string device_lost;  // empty; else why the executor's device is lost (the circuit stays open)
   std::string invariant_error;  // empty when the scheduler core's check() holds
   // Where a step's time goes: the scheduler's own work (plan + apply results) vs the executor's.
   int64_t n_steps = 0;
@@ -213,8 +218,9 @@ class engine_handle {
   /// Whether the scheduler runs or queues anything (bounded wait; true when it does not answer).
   bool busy(std::chrono::milliseconds timeout = std::chrono::seconds(2));
 
-  /// Fault injection for tests: the executor throws in the middle of its next step.
-  void inject_executor_fault();
+  /// Fault injection for tests: the executor throws in the middle of its next step; with
+  /// `device_lost`, it reports its device lost first (as after a sticky CUDA error).
+  void inject_executor_fault(bool device_lost = false);
 
   const engine::model& model() const;
 

@@ -51,6 +51,8 @@ class backend {
                                                        std::span<const device_sample_row>) {
     throw std::logic_error("executor: this backend samples on the host");
   }
+  /// After a failure: empty, or why the device can take no more work in this process.
+  virtual std::string device_lost() const { return {}; }
 };
 
 // The CPU: KV pools in host memory, the forward on the executor's own threads — whole, or split
@@ -128,6 +130,7 @@ class cuda_backend final : public backend {
     if (!any_history) histories_.clear();
     return fwd_->forward_sample(batch, params_, histories_);
   }
+  std::string device_lost() const override { return fwd_->device_lost(); }
 
  private:
   static engine::device_forward_options options(const executor_config& c) {
@@ -167,6 +170,7 @@ struct executor_state {
   // and each such sequence's place in its grammar, kept from one step to the next.
   std::unique_ptr<engine::vocab_index> vocab;
   std::unordered_map<uint64_t, engine::grammar_cursor> grammars;
+  std::string injected_loss;  // tests: the device loss a step_work::inject_device_loss fault stands for
 };
 
 caf::error exception_error(std::exception_ptr& x) {
@@ -189,8 +193,6 @@ std::string exit_text(const caf::actor_system& sys, const caf::error& reason) {
 }
 
 caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg, caf::actor supervisor) {
-  // A failed step (an exception) ends the actor with the exception's text as its exit reason.
-  self->set_exception_handler([](caf::scheduled_actor*, std::exception_ptr& x) { return exception_error(x); });
   std::shared_ptr<executor_state> st;
   try {
     st = std::make_shared<executor_state>(cfg);
@@ -199,6 +201,14 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg, 
     self->quit(exception_error(x));
     return {};
   }
+  // A failed step (an exception) ends the actor with the exception's text as its exit reason. One
+  // that lost the device (a sticky CUDA error) is told to the supervisor first: no restart on that
+  // device can succeed.
+  self->set_exception_handler([self, st, supervisor](caf::scheduled_actor*, std::exception_ptr& x) {
+    const std::string lost = st->injected_loss.empty() ? st->dev->device_lost() : st->injected_loss;
+    if (!lost.empty()) self->send<caf::message_priority::high>(supervisor, lost_atom::value, lost);
+    return exception_error(x);
+  });
   self->send(supervisor, up_atom::value);
   return {
       [=](step_atom, step_work& w) -> step_output {
@@ -218,6 +228,7 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg, 
           }
         st->chunks.clear();
         for (const auto& e : w.batch) st->chunks.push_back({e.tokens, e.pos0, e.block_table, false, !e.need_logits});
+        if (w.inject_device_loss) st->injected_loss = "cudaErrorIllegalAddress: injected device loss";
         if (w.inject_fault) throw std::runtime_error("injected executor fault");
         // One sampling spec per entry with logits, in batch order.
         size_t n_rows = 0;

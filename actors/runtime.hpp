@@ -10,7 +10,10 @@
 //   scheduler --step(step_work)-->              executor    replies step_output (or error: lost)
 //   supervisor --executor(actor)-->             scheduler   a fresh executor (start and restarts)
 //   executor --up-->                            supervisor  its backend is built (weights, KV pools)
-//   supervisor --[h] circuit(why)-->            scheduler   too many restarts: fail everything
+//   executor --[h] lost(why)-->                 supervisor  just before dying of a failure that lost
+//                                                           its device (a sticky CUDA error)
+//   supervisor --[h] circuit(why, lost)-->      scheduler   too many restarts, or the device lost (no
+//                                                           restart can help): fail everything
 //   engine_handle --ready-->                    supervisor  replies true once an executor is up, or
 //                                                           the first executor's start error
 //   anyone   --[h] stats-->                     scheduler   replies engine_stats
@@ -24,6 +27,7 @@
 
 #include <caf/all.hpp>
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -56,6 +60,7 @@ using priority_atom = caf::atom_constant<caf::atom("priority")>;
 using up_atom = caf::atom_constant<caf::atom("up")>;
 using retire_atom = caf::atom_constant<caf::atom("retire")>;
 using ready_atom = caf::atom_constant<caf::atom("ready")>;
+using lost_atom = caf::atom_constant<caf::atom("lost")>;
 
 /// How to sample one sequence's next token in a step. Sampling is stateless across steps: the
 /// draw uses seed mixed with the index of the token drawn, so a recomputed or restarted
@@ -73,7 +78,8 @@ struct step_work {
   std::vector<engine::block_copy> copies;  // in order, before the forward
   std::vector<batch_entry> batch;
   std::vector<sample_spec> sampling;       // one per batch entry with need_logits, in order
-  bool inject_fault = false;
+  bool inject_fault = false;        // tests: the executor throws in the middle of the step ...
+  bool inject_device_loss = false;  // ... and says its device is lost (as a sticky CUDA error would)
 };
 
 struct sampled {
@@ -130,7 +136,7 @@ struct scheduler_config_msg {
 caf::actor spawn_scheduler(caf::actor_system& sys, scheduler_config_msg cfg);
 
 caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor scheduler, executor_config cfg, int max_restarts,
-                               double window_s);
+                               double window_s, std::function<void(const std::string&)> on_device_lost);
 
 /// How generations are spread over the replicas.
 struct routing_options {

@@ -22,9 +22,10 @@ struct scheduler_state {
   uint64_t epoch = 0;  // bumped per executor: replies from an earlier one are ignored
   int32_t n_executors = 0;
   int n_in_flight = 0;  // steps sent and not answered (two when one was planned ahead)
-  bool circuit_open = false, tick_pending = false, fault_next = false, draining = false;
+  bool circuit_open = false, tick_pending = false, fault_next = false, fault_loses_device = false, draining = false;
   bool retired = false;  // a published version replaced: fronts' new requests go to its successor
   std::string circuit_reason;  // "the model is unavailable: ..." once the circuit is open
+  std::string device_lost;     // why, once the executor's device is lost (the circuit is open for good)
   std::vector<caf::response_promise> drain_waiters;  // answered once nothing is left
   std::unordered_map<uint64_t, seq_entry> seqs;
   std::unordered_map<caf::actor_addr, uint64_t> by_addr;
@@ -162,6 +163,7 @@ void send_step(self_ptr self, step_plan plan) {
   }
   w.batch = std::move(plan.batch);
   w.inject_fault = std::exchange(st.fault_next, false);
+  w.inject_device_loss = w.inject_fault && st.fault_loses_device;
   ++st.n_in_flight;
   const uint64_t epoch = st.epoch;
   const auto timeout = std::chrono::milliseconds((int64_t)(st.step_timeout_s * 1000));
@@ -253,13 +255,17 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
         self->monitor(e);
         maybe_step(self);
       },
-      [=](circuit_atom, const std::string& why) {
+      [=](circuit_atom, const std::string& why, bool device_lost) {
         auto& s = self->state;
         s.circuit_open = true;
         s.circuit_reason = "the model is unavailable: " + why;
+        if (device_lost) s.device_lost = why;
         fail_all(self, gen_error::unavailable, s.circuit_reason);
       },
-      [=](fault_atom) { self->state.fault_next = true; },
+      [=](fault_atom, bool lose_device) {
+        self->state.fault_next = true;
+        self->state.fault_loses_device = lose_device;
+      },
       [=](retire_atom) { self->state.retired = true; },
       // A front server asks what this (published) scheduler serves before routing to it.
       [=](info_atom) {
@@ -296,6 +302,7 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
         r.s.executor_restarts = s.n_executors > 0 ? s.n_executors - 1 : 0;
         r.s.executor_alive = (bool)s.executor;
         r.s.circuit_open = s.circuit_open;
+        r.s.device_lost = s.device_lost;
         r.s.invariant_error = s.core->check();
         r.s.n_steps = s.n_steps;
         r.s.n_steps_ahead = s.n_ahead;

@@ -9,9 +9,15 @@
 // has been up, a death is restarted as above, and the circuit's reason names the first error of
 // the window (the cause: a device fault, say) and the last (what restarting then met). Each death
 // is logged to stderr.
+//
+// A lost device: an executor that dies of a failure that lost its device's context (a sticky CUDA
+// error: an illegal address, a kernel exception) says so first (lost). No restart can help — every
+// later CUDA call in the process fails the same way — so none is tried: the circuit opens at once
+// for good, and on_device_lost tells the process (the server exits, or reports itself unhealthy).
 #include <chrono>
 #include <cstdio>
 #include <deque>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,12 +27,13 @@
 namespace troupe::actors {
 
 caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor scheduler, executor_config cfg, int max_restarts,
-                               double window_s) {
+                               double window_s, std::function<void(const std::string&)> on_device_lost) {
   struct state {
     caf::actor executor;
     std::deque<std::pair<std::chrono::steady_clock::time_point, std::string>> deaths;  // within the window
     bool ever_up = false;
     std::string start_error;  // the first executor's, when it never came up
+    std::string device_lost;  // the sticky error its last executor reported before dying
     std::vector<caf::response_promise> ready_waiters;
   };
   auto st = std::make_shared<state>();
@@ -50,7 +57,15 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
     if (!st->ever_up) {
       st->start_error = "the executor could not start: " + why;
       answer_waiters();
-      self->send<caf::message_priority::high>(scheduler, circuit_atom::value, st->start_error);
+      self->send<caf::message_priority::high>(scheduler, circuit_atom::value, st->start_error, false);
+      return;
+    }
+    if (!st->device_lost.empty()) {
+      const std::string reason = "its device is lost: " + why + " (" + st->device_lost + "; only a new process can use the device)";
+      std::fprintf(stderr, "troupe: executor failed: %s; its device is lost (%s): not restarted, the process must be restarted\n",
+                   why.c_str(), st->device_lost.c_str());
+      self->send<caf::message_priority::high>(scheduler, circuit_atom::value, reason, true);
+      if (on_device_lost) on_device_lost(reason);
       return;
     }
     const auto now = std::chrono::steady_clock::now();
@@ -63,7 +78,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
       if (n > 1 && st->deaths.front().second != why) reason += "first: " + st->deaths.front().second + "; ";
       reason += "last: " + why + ")";
       std::fprintf(stderr, "troupe: executor failed: %s; not restarted: the model is unavailable\n", why.c_str());
-      self->send<caf::message_priority::high>(scheduler, circuit_atom::value, reason);
+      self->send<caf::message_priority::high>(scheduler, circuit_atom::value, reason, false);
       return;
     }
     std::fprintf(stderr, "troupe: executor failed: %s; restarting it (%d of %d restarts in %d s)\n", why.c_str(), n, max_restarts,
@@ -76,6 +91,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
   });
   spawn_executor();
   return {
+      [=](lost_atom, const std::string& why) { st->device_lost = why; },
       [=](up_atom) {
         st->ever_up = true;
         answer_waiters();

@@ -113,6 +113,7 @@ const std::vector<key_spec>& keys() {
       {"server", "idle_timeout_s", double_key(&server_config::idle_timeout_s)},
       {"server", "max_connections", int_key(&server_config::max_connections)},
       {"server", "shutdown_grace_s", double_key(&server_config::shutdown_grace_s)},
+      {"server", "exit_on_device_loss", bool_key(&server_config::exit_on_device_loss)},
       {"server", "io_threads", int_key(&server_config::n_io_threads)},
       {"server", "max_n", int_key(&server_config::max_n)},
       {"websocket", "max_message_bytes", int_key(&server_config::ws_max_message_bytes)},
@@ -369,7 +370,8 @@ std::string describe(const server_config& c) {
     << "host = " << quote(c.host) << "\nport = " << c.port << "\nmax_body_bytes = " << c.max_body_bytes
     << "\nmax_header_bytes = " << c.max_header_bytes << "\nrequest_timeout_s = " << num(c.request_timeout_s)
     << "\nidle_timeout_s = " << num(c.idle_timeout_s) << "\nmax_connections = " << c.max_connections
-    << "\nshutdown_grace_s = " << num(c.shutdown_grace_s) << "\nio_threads = " << c.n_io_threads << "\nmax_n = " << c.max_n << "\n"
+    << "\nshutdown_grace_s = " << num(c.shutdown_grace_s)
+    << "\nexit_on_device_loss = " << (c.exit_on_device_loss ? "true" : "false") << "\nio_threads = " << c.n_io_threads << "\nmax_n = " << c.max_n << "\n"
     << "[websocket]\n"
     << "max_message_bytes = " << c.ws_max_message_bytes << "\nmax_queue_bytes = " << c.ws_max_queue_bytes
     << "\nsend_timeout_s = " << num(c.ws_send_timeout_s) << "\nmax_generations = " << c.ws_max_generations

@@ -35,6 +35,7 @@ struct server_config {
   double idle_timeout_s = 60;         // reading one request, or waiting for the next on a keep-alive connection
   int64_t max_connections = 256;      // open connections at most (503 beyond)
   double shutdown_grace_s = 5;        // generations in flight may finish this long on SIGTERM
+  bool exit_on_device_loss = true;    // a lost device (sticky CUDA error) stops the server, exit status 1
   int64_t n_io_threads = 2;           // HTTP I/O threads
   int64_t max_n = 16;                 // choices per request ("n") at most
 

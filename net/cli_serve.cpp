@@ -45,7 +45,7 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       field("--host", &c::host), field("--port", &c::port), field("--max-body-bytes", &c::max_body_bytes),
       field("--request-timeout-s", &c::request_timeout_s), field("--idle-timeout-s", &c::idle_timeout_s),
       field("--max-header-bytes", &c::max_header_bytes), field("--max-connections", &c::max_connections),
-      field("--shutdown-grace-s", &c::shutdown_grace_s), field("--io-threads", &c::n_io_threads), field("--max-n", &c::max_n),
+      field("--shutdown-grace-s", &c::shutdown_grace_s), field("--exit-on-device-loss", &c::exit_on_device_loss), field("--io-threads", &c::n_io_threads), field("--max-n", &c::max_n),
       field("--ws-max-message-bytes", &c::ws_max_message_bytes), field("--ws-max-queue-bytes", &c::ws_max_queue_bytes),
       field("--ws-send-timeout-s", &c::ws_send_timeout_s), field("--ws-max-generations", &c::ws_max_generations),
       field("--ws-idle-timeout-s", &c::ws_idle_timeout_s), field("--ws-send-buffer-bytes", &c::ws_send_buffer_bytes),
@@ -101,6 +101,7 @@ int run_serve(serve_opts& o) {
   http.idle_timeout_s = c.idle_timeout_s;
   http.max_connections = (int)c.max_connections;
   http.shutdown_grace_s = c.shutdown_grace_s;
+  http.exit_on_device_loss = c.exit_on_device_loss;
   http.n_io_threads = (int)c.n_io_threads;
   http.ws.max_message_bytes = (size_t)c.ws_max_message_bytes;
   http.ws.max_queue_bytes = (size_t)c.ws_max_queue_bytes;
@@ -113,6 +114,7 @@ int run_serve(serve_opts& o) {
 
   actors::engine_options eo;
   eo.model_path = ec.model_path;
+  eo.on_device_lost = [notice = http.device_loss](const std::string& why) { notice->notify(why); };
   eo.n_threads = ec.n_threads;
   eo.cuda_device = config::parse_device(ec.device);
   eo.cuda_graphs = ec.cuda_graphs;
@@ -265,6 +267,9 @@ action add_serve(CLI::App& app) {
   cmd->add_option("--max-header-bytes", f.max_header_bytes, "request line and headers at most (431 beyond)")->capture_default_str();
   cmd->add_option("--max-connections", f.max_connections, "open connections at most (503 beyond)")->capture_default_str();
   cmd->add_option("--shutdown-grace-s", f.shutdown_grace_s, "on SIGINT/SIGTERM, how long generations in flight may finish")->capture_default_str();
+  cmd->add_option("--exit-on-device-loss", f.exit_on_device_loss,
+                  "a lost device (a sticky CUDA error) stops the server as SIGTERM does, exit status 1, so a supervisor starts a "
+                  "new process; false: it stays up refusing requests and /health answers 503 (true/false)")->capture_default_str();
   cmd->add_option("--io-threads", f.n_io_threads, "HTTP I/O threads")->capture_default_str();
   cmd->add_option("--max-n", f.max_n, "choices per request (\"n\") at most")->capture_default_str();
   cmd->add_option("--ws-max-message-bytes", f.ws_max_message_bytes, "WebSocket: largest client message (close 1009 beyond)")->capture_default_str();

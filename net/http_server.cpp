@@ -185,24 +185,35 @@ class server {
                 (unsigned)bound.port(), models_.find("")->api.model_id.c_str());
     std::fflush(stdout);
     signals_.async_wait([this](const beast::error_code& e, int sig) {
-      if (e) return;
-      std::fprintf(stderr, "troupe serve: signal %d: no new connections; %zu generations finishing (grace %.0f s)\n", sig,
-                   active_.size(), opts_.shutdown_grace_s);
-      stopping_ = true;
-      beast::error_code ignored;
-      acceptor_.close(ignored);
-      asio::co_spawn(ioc_, drain(), asio::detached);
+      if (!e) stop("signal " + std::to_string(sig), 0);
     });
+    if (opts_.exit_on_device_loss)
+      opts_.device_loss->on_notice([this](const std::string&) {  // the supervisor has logged why
+        asio::post(ioc_, [this] { stop("the device is lost", 1); });
+      });
     on_hup();
     asio::co_spawn(ioc_, accept_loop(), asio::detached);
     std::vector<std::thread> threads;
     for (int i = 1; i < std::max(1, opts_.n_io_threads); ++i) threads.emplace_back([this] { ioc_.run(); });
     ioc_.run();
     for (auto& t : threads) t.join();
-    return 0;
+    opts_.device_loss->on_notice(nullptr);  // this server is gone
+    return exit_code_;
   }
 
  private:
+  // SIGINT, SIGTERM or a lost device (on an I/O thread): accept nothing new, drain, return `code`.
+  void stop(const std::string& why, int code) {
+    if (stopping_.exchange(true)) return;
+    exit_code_ = code;
+    std::fprintf(stderr, "troupe serve: %s: no new connections; %zu generations finishing (grace %.0f s)\n", why.c_str(), active_.size(),
+                 opts_.shutdown_grace_s);
+    beast::error_code ignored;
+    acceptor_.close(ignored);
+    signals_.cancel(ignored);
+    asio::co_spawn(ioc_, drain(), asio::detached);
+  }
+
   // SIGHUP: reload the served model from its file (as POST /admin/reload with no body), logged.
   void on_hup() {
     hup_.async_wait([this](const beast::error_code& e, int) {
@@ -386,7 +397,7 @@ class server {
         res.set(http::field::upgrade, "websocket");
         co_return co_await write_response(stream, std::move(res));
       }
-      if (path == "/health") co_return co_await write_response(stream, json_response(http::status::ok, R"({"status":"ok"})", ver, keep));
+      if (path == "/health") co_return co_await write_response(stream, health(ver, keep));
       if (path == "/ready") co_return co_await write_response(stream, co_await ready(ver, keep));
       if (path == "/metrics") co_return co_await write_response(stream, co_await metrics_response(ver, keep));
       if (path == "/v1/models") co_return co_await write_response(stream, json_response(http::status::ok, dump(models_list()), ver, keep));
@@ -421,6 +432,15 @@ class server {
     } catch (const std::exception& e) {
       co_return std::pair{std::optional<actors::engine_stats>(), std::string(e.what())};
     }
+  }
+
+  // Liveness: the process answers and its device can still work. After a lost device nothing but a
+  // new process helps, so an orchestrator probing this restarts it (vLLM's /health fails once its
+  // engine is dead).
+  response health(unsigned ver, bool keep) const {
+    const std::string lost = opts_.device_loss->reason();
+    if (lost.empty()) return json_response(http::status::ok, R"({"status":"ok"})", ver, keep);
+    return json_response(http::status::service_unavailable, dump(json{{"status", "device_lost"}, {"error", lost}}), ver, keep);
   }
 
   awaitable<response> ready(unsigned ver, bool keep) {
@@ -637,12 +657,31 @@ class server {
   asio::signal_set signals_, hup_;
   std::atomic<int> n_connections_{0};
   std::atomic<bool> stopping_{false};
+  int exit_code_ = 0;  // set once, by stop()
   active_set active_;
   metrics_registry metrics_;
   asio::thread_pool blocking_{2};  // calls that wait on the engine (stats)
 };
 
 }  // namespace
+
+void device_loss_notice::notify(const std::string& why) {
+  std::lock_guard lk(mu_);
+  if (!why_.empty()) return;
+  why_ = why.empty() ? "the device is lost" : why;
+  if (fn_) fn_(why_);  // under the lock: on_notice(nullptr) returns only once no call is running
+}
+
+void device_loss_notice::on_notice(std::function<void(const std::string&)> fn) {
+  std::lock_guard lk(mu_);
+  fn_ = std::move(fn);
+  if (fn_ && !why_.empty()) fn_(why_);
+}
+
+std::string device_loss_notice::reason() const {
+  std::lock_guard lk(mu_);
+  return why_;
+}
 
 int run_http_server(const server_options& opts, model_registry& models) {
   server s(opts, models);

@@ -176,6 +176,8 @@ std::string metrics_registry::render(std::span<const model_figures> models) cons
   family("troupe_executor_alive", "gauge", "1 while an executor is running.", [](const F& m) { return (int64_t)m.engine->executor_alive; });
   family("troupe_circuit_open", "gauge", "1 when the executor failed too often and requests are refused.",
          [](const F& m) { return (int64_t)m.engine->circuit_open; });
+  family("troupe_device_lost", "gauge", "1 when the executor's device is lost (a sticky CUDA error): only a new process can serve.",
+         [](const F& m) { return (int64_t)!m.engine->device_lost.empty(); });
   // Data parallel (--replica): one line per model and replica ("local" is this server's executor).
   auto replica_family = [&](const char* name, const char* type, const char* help, auto value) {
     bool any = false;

@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <atomic>
+#include <mutex>
 #include <thread>
 
 #include "actors/engine_handle.hpp"
@@ -407,6 +408,45 @@ TEST_CASE("repeated executor faults open the circuit, refusals name the last err
   CHECK(o2.final.type == actors::stream_event::kind::error);
   CHECK(o2.final.error == actors::gen_error::unavailable);
   CHECK_THAT(o2.final.message, Catch::Contains("unavailable") && Catch::Contains("injected executor fault"));
+}
+
+TEST_CASE("a lost device is not restarted: the circuit opens at the first failure and says why", "[actors][model][fault]") {
+  // A sticky CUDA error (the executor's backend says its device is lost after the failure) leaves
+  // nothing a restart could use: the requests in flight fail at once with the reason, later ones
+  // are refused, and the process is told once (on_device_lost) so the server can exit.
+  auto o = options();
+  o.max_restarts = 3;
+  auto told = std::make_shared<std::atomic<int>>(0);
+  auto reason = std::make_shared<std::string>();
+  auto mu = std::make_shared<std::mutex>();
+  o.on_device_lost = [told, reason, mu](const std::string& why) {
+    std::lock_guard lk(*mu);
+    *reason = why;
+    ++*told;
+  };
+  auto eng = actors::engine_handle::start(o);
+  auto s = eng->submit(greedy(prompts[0], 400));
+  REQUIRE(s->next(30s));
+  eng->inject_executor_fault(true);
+  const auto o1 = drain(*s);
+  CHECK(o1.final.type == actors::stream_event::kind::error);
+  CHECK(o1.final.error == actors::gen_error::unavailable);
+  CHECK_THAT(o1.final.message, Catch::Contains("device is lost") && Catch::Contains("injected executor fault") &&
+                                   Catch::Contains("cudaErrorIllegalAddress"));
+  const auto st = eng->stats();
+  CHECK(st.circuit_open);
+  CHECK_FALSE(st.executor_alive);
+  CHECK(st.executor_restarts == 0);
+  CHECK_THAT(st.device_lost, Catch::Contains("injected executor fault"));
+  const auto o2 = drain(*eng->submit(greedy(prompts[1], 4)));
+  CHECK(o2.final.error == actors::gen_error::unavailable);
+  CHECK_THAT(o2.final.message, Catch::Contains("device is lost"));
+  const auto until = std::chrono::steady_clock::now() + 10s;  // told right after the circuit opens
+  while (told->load() == 0 && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(10ms);
+  std::this_thread::sleep_for(50ms);
+  CHECK(told->load() == 1);
+  std::lock_guard lk(*mu);
+  CHECK_THAT(*reason, Catch::Contains("device is lost") && Catch::Contains("only a new process"));
 }
 
 TEST_CASE("an executor killed mid-batch is restarted and every output is unchanged", "[actors][model][fault]") {

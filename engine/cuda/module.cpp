@@ -22,6 +22,7 @@ class module_forward final : public device_forward {
   }
   int max_logit_rows() const override { return opt_.max_logit_rows; }
   int max_history_tokens() const override { return opt_.max_history_tokens; }
+  std::string device_lost() const override { return kc::sticky_error(); }
 
  private:
   cuda_options opt_;

@@ -35,4 +35,15 @@ int device_count() {
   return n;
 }
 
+std::string sticky_error() {
+  // A plain error is reset by the read; a sticky one is the result of every call after it, this
+  // read included. The query makes sure an error the device raised since the last call is seen.
+  cudaGetLastError();
+  cudaError_t e = cudaStreamQuery(nullptr);
+  if (e == cudaErrorNotReady) e = cudaSuccess;  // work in flight on the device: not a fault
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (e == cudaSuccess || cudaGetLastError() != e) return {};  // not there again: not sticky
+  return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+}
+
 }  // namespace troupe::kernels::cuda

@@ -33,6 +33,11 @@ void check(cudaError_t e, const char* what);
 void check_launch(const char* kernel);
 /// Number of CUDA devices (0 where there is no driver or no GPU; never throws).
 int device_count();
+/// Empty while this thread's device still takes work; else the sticky error that lost its context
+/// (an illegal address, a kernel exception: "any further CUDA work will return the same error",
+/// and only a new process can use the device again), as "NAME: description". Clears a plain
+/// error first. Never throws, never waits.
+std::string sticky_error();
 
 /// While alive, the launches of add_rmsnorm, swiglu, rope_qkv_store, paged_attention, gemv_bf16,
 /// gemv_bf16_swiglu, gemv_bf16_rope_qkv and gemv_bf16_streamed made on this thread allow

@@ -108,35 +108,79 @@ def test_penalties_applied_on_the_device_pick_what_the_host_picks():
             assert device["choices"][0]["text"] == host["choices"][0]["text"], p
 
 
-def test_a_device_fault_fails_requests_clearly_and_turns_the_server_unready(tmp_path, monkeypatch):
-    """A kernel that faults (an illegal memory access: the emulation injects one at the first launch
-    after the test creates TROUPE_EMU_FAULT_FILE) loses the CUDA context, so every later CUDA call
-    fails and a restarted executor cannot start either. The generation in flight ends with an error
-    that names the fault (the kernel whose check saw it first, then what the restarts met), at once
-    rather than at its timeout; the circuit opens, later requests are refused at once, /ready says
-    unavailable while the process still answers, each executor failure is logged, and SIGTERM still
-    stops the server."""
+def fault_the_device(port, fault):
+    """Serves one request, arms the emulation's fault (TROUPE_EMU_FAULT_FILE) and sends another:
+    its first launch faults with an illegal memory access, which loses the CUDA context. Returns
+    (status, body) of the request that met the fault."""
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    st, ok = request(port, "POST", "/v1/completions", body, timeout=600)
+    assert st == 200, ok
+    assert request(port, "GET", "/ready")[0] == 200
+    fault.touch()
+    st, failed = request(port, "POST", "/v1/completions", body, timeout=600)
+    assert not fault.exists(), "no launch took the injected fault"
+    return st, failed
+
+
+def series(port, name):
+    """The value of the served model's one series of metric `name`."""
+    values = [v for k, v in metrics(port).items() if k.split("{")[0] == name]
+    assert len(values) == 1, (name, values)
+    return values[0]
+
+
+def assert_names_the_lost_device(message):
+    # The kernel whose check saw the fault, the sticky error's name, and what to do about it.
+    assert "device is lost" in message and "illegal memory access" in message, message
+    assert "cudaErrorIllegalAddress" in message and "only a new process" in message, message
+
+
+def test_a_device_fault_fails_requests_clearly_and_stops_the_server(tmp_path, monkeypatch):
+    """A kernel that faults (an illegal memory access) loses the CUDA context: every later CUDA call
+    in the process fails the same way, so no executor restart is tried. The generation in flight
+    ends at once with a 503 naming the fault and the lost device, and the server stops as on
+    SIGTERM with exit status 1 (--exit-on-device-loss, the default): a supervisor (systemd's
+    Restart=on-failure, a Kubernetes pod) starts a new process, the only one that can use the
+    device again."""
     fault = tmp_path / "fault"
     monkeypatch.setenv("TROUPE_EMU_FAULT_FILE", str(fault))
-    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     with running_server("--model", str(MODEL), "--device", "cuda", start_timeout=120) as (port, proc):
-        st, ok = request(port, "POST", "/v1/completions", body, timeout=600)
-        assert st == 200, ok
-        assert request(port, "GET", "/ready")[0] == 200
-        fault.touch()
-        st, failed = request(port, "POST", "/v1/completions", body, timeout=600)
-        assert not fault.exists(), "no launch took the injected fault"
-        assert st in (500, 503), failed
-        message = failed["error"]["message"]
-        assert "first: " in message and "illegal memory access" in message.split("first: ")[1].split(";")[0], message
+        st, failed = fault_the_device(port, fault)
+        assert st == 503, failed
+        assert_names_the_lost_device(failed["error"]["message"])
+        assert proc.wait(timeout=30) == 1
+        log = proc.stdout.read()
+        assert "its device is lost" in log and "not restarted, the process must be restarted" in log, log
+        assert "restarting it" not in log, log
+        assert "troupe serve: the device is lost: no new connections" in log, log
+
+
+def test_with_exit_on_device_loss_false_the_server_stays_up_unhealthy_and_refusing(tmp_path, monkeypatch):
+    """The same fault with --exit-on-device-loss false: the server stays up, refuses requests at
+    once with the reason, /ready says the circuit is open, /health answers 503 with the reason (a
+    liveness probe restarts the process), /metrics has troupe_device_lost 1, and SIGTERM still stops
+    it cleanly."""
+    fault = tmp_path / "fault"
+    monkeypatch.setenv("TROUPE_EMU_FAULT_FILE", str(fault))
+    with running_server("--model", str(MODEL), "--device", "cuda", "--exit-on-device-loss", "false",
+                        start_timeout=120) as (port, proc):
+        assert series(port, "troupe_device_lost") == 0
+        st, failed = fault_the_device(port, fault)
+        assert st == 503, failed
+        assert_names_the_lost_device(failed["error"]["message"])
         st, ready = request(port, "GET", "/ready")
         assert st == 503 and ready["circuit_open"] and not ready["executor_alive"], ready
         t0 = time.monotonic()
+        body = {"prompt": "Hello", "max_tokens": 4}
         st, refused = request(port, "POST", "/v1/completions", body, timeout=60)
         assert st == 503 and time.monotonic() - t0 < 5, refused
-        assert "illegal memory access" in refused["error"]["message"], refused
-        assert request(port, "GET", "/health")[0] == 200
+        assert_names_the_lost_device(refused["error"]["message"])
+        st, health = request(port, "GET", "/health")
+        assert st == 503 and health["status"] == "device_lost", health
+        assert_names_the_lost_device(health["error"])
+        assert series(port, "troupe_device_lost") == 1 and series(port, "troupe_circuit_open") == 1
+        assert series(port, "troupe_executor_restarts_total") == 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         log = proc.stdout.read()
-        assert "troupe: executor failed: " in log and "not restarted: the model is unavailable" in log, log
+        assert "its device is lost" in log and "restarting it" not in log, log
