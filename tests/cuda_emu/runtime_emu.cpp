@@ -458,6 +458,7 @@ cudaError_t cudaDeviceSynchronize(void) {
 cudaError_t cudaMalloc(void** p, size_t n) {
   TROUPE_EMU_LOCKED;
   *p = nullptr;
+  if (sticky_error != cudaSuccess) return fail(sticky_error);  // the context is lost
   if (const cudaError_t e = refuse_while_capturing("cudaMalloc")) return e;
   const size_t bytes = (std::max<size_t>(n, 1) + 255) / 256 * 256;
   if (bytes > capacity() - dev().allocated) return fail(cudaErrorMemoryAllocation);
@@ -496,6 +497,8 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
 }
 cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
   TROUPE_EMU_LOCKED;
+  *p = nullptr;
+  if (sticky_error != cudaSuccess) return fail(sticky_error);
   *p = std::aligned_alloc(4096, (std::max<size_t>(n, 1) + 4095) / 4096 * 4096);
   if (!*p) return fail(cudaErrorMemoryAllocation);
   dev().pinned.emplace(reinterpret_cast<uintptr_t>(*p), n);
