@@ -219,9 +219,10 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   p->scheduler = spawn_scheduler(*p->sys, scm);
   executor_config ec{p->model, o.n_threads, shape, n_dev, n_host, o.cuda_device, o.tensor_parallel, o.pipeline_parallel, o.expert_parallel,
                      sc.max_batched_tokens, sc.max_num_seqs, sc.max_model_len, o.fail_executor_start,
-                     o.emulate_device_sampling, o.cuda_graphs, o.cuda_fused_decode};
+                     o.emulate_device_sampling, o.cuda_graphs, o.cuda_fused_decode, o.step_timeout_s};
   if (o.local_executor)
-    p->supervisor = p->sys->spawn(supervisor_actor, p->scheduler, ec, o.max_restarts, o.restart_window_s, o.on_device_lost);
+    p->supervisor = p->sys->spawn(supervisor_actor, p->scheduler, ec,
+                                  supervision{o.max_restarts, o.restart_window_s, o.step_timeout_s, o.executor_stop_timeout_s, o.on_device_lost});
   auto h = std::unique_ptr<engine_handle>(new engine_handle(std::move(p)));  // stops the actors if we throw
   if (o.local_executor) {
     caf::scoped_actor self{*h->impl_->sys};
@@ -316,6 +317,8 @@ void engine_handle::fail_all(const std::string& why) {
 }
 
 void engine_handle::inject_executor_fault(bool device_lost) { caf::anon_send(impl_->scheduler, fault_atom::value, device_lost); }
+
+void engine_handle::inject_executor_hang(double seconds) { caf::anon_send(impl_->scheduler, hang_atom::value, seconds); }
 
 const engine::model& engine_handle::model() const { return *impl_->model; }
 

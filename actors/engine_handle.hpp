@@ -111,12 +111,15 @@ struct engine_options {
   int pipeline_parallel = 1;     // CPU: the layers split over this many stages (micro-batches flow through)
   int expert_parallel = 1;       // CPU: a mixture of experts' experts split over this many ranks
   scheduler_config sched;
-  double step_timeout_s = 120;   // an executor step longer than this counts as a failure
+  double step_timeout_s = 120;   // an executor step longer than this counts as a failure: it is told to stop ...
+  double executor_stop_timeout_s = 10;  // ... and one that has not within this is wedged (as a lost device)
   int max_restarts = 3;          // executor restarts within restart_window_s before giving up
   double restart_window_s = 60;
   // Called once, on an actor thread, when the executor's device is lost (a sticky CUDA error: the
-  // process can never use the device again), with the reason requests are refused with. Must not
-  // block. The circuit is open by then, whether or not this is set.
+  // process can never use the device again) or the executor is wedged (a step that neither
+  // finished nor stopped: its thread cannot be reclaimed, and destroying this handle would wait
+  // for it), with the reason requests are refused with. Must not block. The circuit is open by
+  // then, whether or not this is set.
   std::function<void(const std::string&)> on_device_lost;
   double start_timeout_s = 600;  // longest wait for the executor to build its backend (weights, KV)
   std::string fail_executor_start;  // tests: building the executor's backend throws this text
@@ -221,6 +224,8 @@ class engine_handle {
   /// Fault injection for tests: the executor throws in the middle of its next step; with
   /// `device_lost`, it reports its device lost first (as after a sticky CUDA error).
   void inject_executor_fault(bool device_lost = false);
+  /// Fault injection for tests: the executor's next step sleeps `seconds` first (a hung kernel).
+  void inject_executor_hang(double seconds);
 
   const engine::model& model() const;
 

@@ -8,8 +8,10 @@
 // scheduler threads. One step per message.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <thread>
 #include <unordered_map>
 
 #include "actors/runtime.hpp"
@@ -146,6 +148,7 @@ class cuda_backend final : public backend {
     o.max_logit_rows = c.max_seqs;
     o.graphs = c.cuda_graphs;
     o.fused_decode = c.cuda_fused_decode;
+    o.sync_timeout_ms = (int64_t)std::ceil(c.step_timeout_s * 1000);
     return o;
   }
   std::unique_ptr<engine::device_forward> fwd_;
@@ -228,6 +231,7 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg, 
           }
         st->chunks.clear();
         for (const auto& e : w.batch) st->chunks.push_back({e.tokens, e.pos0, e.block_table, false, !e.need_logits});
+        if (w.inject_hang_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(w.inject_hang_s));
         if (w.inject_device_loss) st->injected_loss = "cudaErrorIllegalAddress: injected device loss";
         if (w.inject_fault) throw std::runtime_error("injected executor fault");
         // One sampling spec per entry with logits, in batch order.

@@ -14,6 +14,9 @@
 //                                                           its device (a sticky CUDA error)
 //   supervisor --[h] circuit(why, lost)-->      scheduler   too many restarts, or the device lost (no
 //                                                           restart can help): fail everything
+//   scheduler --[h] stuck(executor)-->          supervisor  a step failed or timed out: the executor is
+//                                                           told to stop; one that has not within
+//                                                           stop_timeout_s is wedged (the device lost)
 //   engine_handle --ready-->                    supervisor  replies true once an executor is up, or
 //                                                           the first executor's start error
 //   anyone   --[h] stats-->                     scheduler   replies engine_stats
@@ -61,6 +64,9 @@ using up_atom = caf::atom_constant<caf::atom("up")>;
 using retire_atom = caf::atom_constant<caf::atom("retire")>;
 using ready_atom = caf::atom_constant<caf::atom("ready")>;
 using lost_atom = caf::atom_constant<caf::atom("lost")>;
+using stuck_atom = caf::atom_constant<caf::atom("stuck")>;
+using wedged_atom = caf::atom_constant<caf::atom("wedged")>;
+using hang_atom = caf::atom_constant<caf::atom("hang")>;
 
 /// How to sample one sequence's next token in a step. Sampling is stateless across steps: the
 /// draw uses seed mixed with the index of the token drawn, so a recomputed or restarted
@@ -80,6 +86,7 @@ struct step_work {
   std::vector<sample_spec> sampling;       // one per batch entry with need_logits, in order
   bool inject_fault = false;        // tests: the executor throws in the middle of the step ...
   bool inject_device_loss = false;  // ... and says its device is lost (as a sticky CUDA error would)
+  double inject_hang_s = 0;         // tests: the step sleeps this long first (a hung kernel)
 };
 
 struct sampled {
@@ -110,6 +117,7 @@ struct executor_config {
   bool emulate_device_sampling = false;  // tests: the CPU backend takes the device-sampling path
   bool cuda_graphs = true;         // CUDA: decode steps from CUDA graphs
   bool cuda_fused_decode = false;  // CUDA: the fused decode launches
+  double step_timeout_s = 120;     // CUDA: also the longest wait for the device (a hung kernel fails the step)
 };
 
 /// Payload of the shared stats reply.
@@ -135,8 +143,16 @@ struct scheduler_config_msg {
 /// Spawns the scheduler actor of one model.
 caf::actor spawn_scheduler(caf::actor_system& sys, scheduler_config_msg cfg);
 
-caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor scheduler, executor_config cfg, int max_restarts,
-                               double window_s, std::function<void(const std::string&)> on_device_lost);
+/// How the supervisor treats its executor's failures (engine_options has each).
+struct supervision {
+  int max_restarts = 3;         // restarts within window_s before the circuit opens
+  double window_s = 60;
+  double step_timeout_s = 120;  // for the wedged executor's message only (the scheduler times steps)
+  double stop_timeout_s = 10;   // an executor told to stop that has not by then is wedged
+  std::function<void(const std::string&)> on_device_lost;
+};
+
+caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor scheduler, executor_config cfg, supervision sv);
 
 /// How generations are spread over the replicas.
 struct routing_options {

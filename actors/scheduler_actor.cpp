@@ -19,6 +19,8 @@ struct scheduler_state {
   std::unique_ptr<scheduler_core> core;
   std::shared_ptr<const engine::model> model;
   caf::actor executor;
+  caf::actor_addr supervisor;  // the executor's sender (weak: it holds us): told when one is stopped for a failed step
+  double hang_next_s = 0;  // tests: the next step hangs this long (inject_executor_hang)
   uint64_t epoch = 0;  // bumped per executor: replies from an earlier one are ignored
   int32_t n_executors = 0;
   int n_in_flight = 0;  // steps sent and not answered (two when one was planned ahead)
@@ -164,6 +166,7 @@ void send_step(self_ptr self, step_plan plan) {
   w.batch = std::move(plan.batch);
   w.inject_fault = std::exchange(st.fault_next, false);
   w.inject_device_loss = w.inject_fault && st.fault_loses_device;
+  w.inject_hang_s = std::exchange(st.hang_next_s, 0.0);
   ++st.n_in_flight;
   const uint64_t epoch = st.epoch;
   const auto timeout = std::chrono::milliseconds((int64_t)(st.step_timeout_s * 1000));
@@ -178,9 +181,11 @@ void send_step(self_ptr self, step_plan plan) {
           [=](caf::error& err) {
             auto& s = self->state;
             if (s.epoch != epoch) return;
-            // The executor failed or hung: its KV is gone. Kill it (the supervisor restarts it)
-            // and requeue every sequence for recompute.
+            // The executor failed or hung: its KV is gone. Kill it (the supervisor restarts it, or
+            // gives it up if it does not stop: stuck) and requeue every sequence for recompute.
             self->send_exit(s.executor, caf::exit_reason::kill);
+            if (auto sup = caf::actor_cast<caf::actor>(s.supervisor))
+              self->send<caf::message_priority::high>(sup, stuck_atom::value, s.executor.address());
             self->demonitor(s.executor);
             s.executor = nullptr;
             ++s.epoch;
@@ -252,6 +257,7 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
         ++s.epoch;
         ++s.n_executors;
         s.executor = e;
+        s.supervisor = caf::actor_cast<caf::actor_addr>(self->current_sender());
         self->monitor(e);
         maybe_step(self);
       },
@@ -262,6 +268,7 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
         if (device_lost) s.device_lost = why;
         fail_all(self, gen_error::unavailable, s.circuit_reason);
       },
+      [=](hang_atom, double seconds) { self->state.hang_next_s = seconds; },
       [=](fault_atom, bool lose_device) {
         self->state.fault_next = true;
         self->state.fault_loses_device = lose_device;

@@ -14,6 +14,11 @@
 // error: an illegal address, a kernel exception) says so first (lost). No restart can help — every
 // later CUDA call in the process fails the same way — so none is tried: the circuit opens at once
 // for good, and on_device_lost tells the process (the server exits, or reports itself unhealthy).
+//
+// A wedged executor: the scheduler tells the executor to stop when a step fails or outlasts
+// step_timeout_s, and tells the supervisor (stuck). A hung kernel or a deadlock keeps the
+// executor's thread inside the step, where no message reaches it; one that has not stopped
+// within stop_timeout_s is given up like a lost device (its thread and device cannot be had back).
 #include <chrono>
 #include <cstdio>
 #include <deque>
@@ -26,20 +31,25 @@
 
 namespace troupe::actors {
 
-caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor scheduler, executor_config cfg, int max_restarts,
-                               double window_s, std::function<void(const std::string&)> on_device_lost) {
+caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor scheduler, executor_config cfg, supervision sv) {
   struct state {
     caf::actor executor;
     std::deque<std::pair<std::chrono::steady_clock::time_point, std::string>> deaths;  // within the window
     bool ever_up = false;
     std::string start_error;  // the first executor's, when it never came up
     std::string device_lost;  // the sticky error its last executor reported before dying
+    caf::actor_addr stopping;  // the executor the scheduler stopped for a failed or timed-out step
     std::vector<caf::response_promise> ready_waiters;
   };
   auto st = std::make_shared<state>();
   auto spawn_executor = [=] {
     st->executor = self->spawn<caf::detached + caf::monitored>(executor_actor, cfg, caf::actor{self});
     self->send(scheduler, executor_atom::value, st->executor);
+  };
+  // No restart can help: the circuit opens for good and the process is told.
+  auto give_up = [=](const std::string& reason) {
+    self->send<caf::message_priority::high>(scheduler, circuit_atom::value, reason, true);
+    if (sv.on_device_lost) sv.on_device_lost(reason);
   };
   auto answer_waiters = [=] {
     for (auto& rp : st->ready_waiters) {
@@ -53,7 +63,10 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
   self->set_down_handler([=](caf::down_msg& dm) {
     if (!st->executor || dm.source != st->executor.address()) return;
     st->executor = nullptr;
-    const std::string why = exit_text(self->system(), dm.reason);
+    char timed_out[96];
+    std::snprintf(timed_out, sizeof timed_out, "a step took longer than %g s (stopped)", sv.step_timeout_s);
+    const std::string why = dm.source == st->stopping && dm.reason == caf::exit_reason::kill ? std::string(timed_out)
+                                                                                           : exit_text(self->system(), dm.reason);
     if (!st->ever_up) {
       st->start_error = "the executor could not start: " + why;
       answer_waiters();
@@ -61,28 +74,28 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
       return;
     }
     if (!st->device_lost.empty()) {
-      const std::string reason = "its device is lost: " + why + " (" + st->device_lost + "; only a new process can use the device)";
-      std::fprintf(stderr, "troupe: executor failed: %s; its device is lost (%s): not restarted, the process must be restarted\n",
-                   why.c_str(), st->device_lost.c_str());
-      self->send<caf::message_priority::high>(scheduler, circuit_atom::value, reason, true);
-      if (on_device_lost) on_device_lost(reason);
+      // The failure, and the state of the device it left when that says more (a sticky error).
+      const std::string lost = st->device_lost.find(why) != std::string::npos ? st->device_lost : why + " (" + st->device_lost + ")";
+      const std::string reason = "its device is lost: " + lost + "; only a new process can use the device";
+      std::fprintf(stderr, "troupe: executor failed, its device is lost: %s: not restarted, the process must be restarted\n", lost.c_str());
+      give_up(reason);
       return;
     }
     const auto now = std::chrono::steady_clock::now();
     st->deaths.emplace_back(now, why);
-    while (!st->deaths.empty() && std::chrono::duration<double>(now - st->deaths.front().first).count() > window_s)
+    while (!st->deaths.empty() && std::chrono::duration<double>(now - st->deaths.front().first).count() > sv.window_s)
       st->deaths.pop_front();
     const int n = int(st->deaths.size());
-    if (n > max_restarts) {
-      std::string reason = "its executor failed " + std::to_string(n) + " times in " + std::to_string((int)window_s) + " s (";
+    if (n > sv.max_restarts) {
+      std::string reason = "its executor failed " + std::to_string(n) + " times in " + std::to_string((int)sv.window_s) + " s (";
       if (n > 1 && st->deaths.front().second != why) reason += "first: " + st->deaths.front().second + "; ";
       reason += "last: " + why + ")";
       std::fprintf(stderr, "troupe: executor failed: %s; not restarted: the model is unavailable\n", why.c_str());
       self->send<caf::message_priority::high>(scheduler, circuit_atom::value, reason, false);
       return;
     }
-    std::fprintf(stderr, "troupe: executor failed: %s; restarting it (%d of %d restarts in %d s)\n", why.c_str(), n, max_restarts,
-                 (int)window_s);
+    std::fprintf(stderr, "troupe: executor failed: %s; restarting it (%d of %d restarts in %d s)\n", why.c_str(), n, sv.max_restarts,
+                 (int)sv.window_s);
     spawn_executor();
   });
   self->set_exit_handler([=](caf::exit_msg& em) {
@@ -92,6 +105,22 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
   spawn_executor();
   return {
       [=](lost_atom, const std::string& why) { st->device_lost = why; },
+      [=](stuck_atom, const caf::actor_addr& executor) {
+        if (!st->executor || st->executor.address() != executor) return;
+        st->stopping = executor;
+        self->delayed_send(self, std::chrono::milliseconds((int64_t)(sv.stop_timeout_s * 1000)), wedged_atom::value, executor);
+      },
+      [=](wedged_atom, const caf::actor_addr& executor) {
+        if (!st->executor || st->executor.address() != executor) return;  // it stopped (and was handled) in time
+        self->demonitor(st->executor);
+        st->executor = nullptr;
+        char limits[96];
+        std::snprintf(limits, sizeof limits, "%g s, nor stopped within %g s", sv.step_timeout_s, sv.stop_timeout_s);
+        const std::string reason = std::string("its executor is wedged: a step neither finished within ") + limits +
+                                   " (a hung kernel or a deadlock); only a new process can use the device";
+        std::fprintf(stderr, "troupe: %s: not restarted, the process must be restarted\n", reason.c_str());
+        give_up(reason);
+      },
       [=](up_atom) {
         st->ever_up = true;
         answer_waiters();

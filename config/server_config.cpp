@@ -160,6 +160,10 @@ const std::vector<key_spec>& keys() {
       {"scheduler", "target_itl_ms", double_key(&server_config::target_itl_ms)},
       {"scheduler", "itl_stretch", double_key(&server_config::itl_stretch)},
       {"scheduler", "min_prefill_tokens", int_key(&server_config::min_prefill_tokens)},
+      {"scheduler", "step_timeout_s", double_key(&server_config::step_timeout_s)},
+      {"scheduler", "executor_stop_timeout_s", double_key(&server_config::executor_stop_timeout_s)},
+      {"scheduler", "max_restarts", int_key(&server_config::max_restarts)},
+      {"scheduler", "restart_window_s", double_key(&server_config::restart_window_s)},
       {"replicas", "publish_port", int_key(&server_config::publish_port)},
       {"replicas", "publish_host", string_key(&server_config::publish_host)},
       {"replicas", "remote", string_list_key(&server_config::replicas)},
@@ -309,6 +313,14 @@ std::string validate(const server_config& c) {
     return range_error("scheduler.itl_stretch", "--itl-stretch", ">= 1", num(c.itl_stretch));
   if (c.min_prefill_tokens < 1 || c.min_prefill_tokens > 65536)
     return range_error("scheduler.min_prefill_tokens", "--min-prefill-tokens", "in [1, 65536]", std::to_string(c.min_prefill_tokens));
+  if (!(c.step_timeout_s > 0) || !std::isfinite(c.step_timeout_s))
+    return range_error("scheduler.step_timeout_s", "--step-timeout-s", "> 0", num(c.step_timeout_s));
+  if (!(c.executor_stop_timeout_s > 0) || !std::isfinite(c.executor_stop_timeout_s))
+    return range_error("scheduler.executor_stop_timeout_s", "--executor-stop-timeout-s", "> 0", num(c.executor_stop_timeout_s));
+  if (c.max_restarts < 0 || c.max_restarts > 1000)
+    return range_error("scheduler.max_restarts", "--max-restarts", "in [0, 1000]", std::to_string(c.max_restarts));
+  if (!(c.restart_window_s > 0) || !std::isfinite(c.restart_window_s))
+    return range_error("scheduler.restart_window_s", "--restart-window-s", "> 0", num(c.restart_window_s));
   if (c.preemption != "swap" && c.preemption != "recompute")
     return range_error("scheduler.preemption", "--preemption", "\"swap\" or \"recompute\"", "\"" + c.preemption + "\"");
 
@@ -397,7 +409,9 @@ std::string describe(const server_config& c) {
     << "max_num_seqs = " << c.max_num_seqs << "\nmax_waiting = " << c.max_waiting << "\nmax_waiting_tokens = " << c.max_waiting_tokens
     << "\nqueue_timeout_s = " << num(c.queue_timeout_s) << "\npreemption = " << quote(c.preemption)
     << "\nplan_ahead = " << (c.plan_ahead ? "true" : "false") << "\ntarget_itl_ms = " << num(c.target_itl_ms)
-    << "\nitl_stretch = " << num(c.itl_stretch) << "\nmin_prefill_tokens = " << c.min_prefill_tokens << "\n"
+    << "\nitl_stretch = " << num(c.itl_stretch) << "\nmin_prefill_tokens = " << c.min_prefill_tokens
+    << "\nstep_timeout_s = " << num(c.step_timeout_s) << "\nexecutor_stop_timeout_s = " << num(c.executor_stop_timeout_s)
+    << "\nmax_restarts = " << c.max_restarts << "\nrestart_window_s = " << num(c.restart_window_s) << "\n"
     << "[auth]\n"
     << "api_keys = " << redacted(c.api_keys) << "\nadmin_api_keys = " << redacted(c.admin_api_keys) << "\n";
   return o.str();

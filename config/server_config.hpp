@@ -83,6 +83,10 @@ struct server_config {
   double target_itl_ms = 0;           // steps with decodes sized to end within this (0: off)
   double itl_stretch = 2.0;           // ...or within this x the decodes' own time, when longer
   int64_t min_prefill_tokens = 16;    // prefill tokens such a step still takes, whatever the target
+  double step_timeout_s = 120;        // a step longer than this fails: the executor is told to stop ...
+  double executor_stop_timeout_s = 10;  // ... and one that has not within this is wedged (the device lost)
+  int64_t max_restarts = 3;           // executor restarts within restart_window_s before the circuit opens
+  double restart_window_s = 60;
 
   // [auth]
   std::vector<std::string> api_keys;        // empty: the API is open

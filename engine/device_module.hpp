@@ -35,6 +35,7 @@ struct device_forward_options {
   int max_batch_tokens = 2048, max_seqs = 256, max_context = 8192, max_logit_rows = 256;
   bool graphs = true;          // decode steps from CUDA graphs (cuda_options::use_graphs)
   bool fused_decode = false;   // the fused decode launches (engine::cuda::fused_decode)
+  int64_t sync_timeout_ms = 0;  // longest wait for the device in a step (0: cuda_options' default)
 };
 
 /// The module's forward (engine::cuda::cuda_forward behind it; see its header for the contracts).
@@ -66,7 +67,7 @@ std::unique_ptr<device_forward> open_cuda_forward(const model& m, const device_f
 
 /// The module's entry points (C linkage, looked up by name; the version guards against a module
 /// from another build).
-inline constexpr int cuda_module_abi = 3;
+inline constexpr int cuda_module_abi = 4;
 extern "C" {
 using cuda_module_abi_fn = int (*)();
 using cuda_module_device_count_fn = int (*)();

@@ -57,7 +57,9 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       field("--max-waiting-tokens", &c::max_waiting_tokens), field("--queue-timeout-s", &c::queue_timeout_s),
       field("--preemption", &c::preemption), field("--plan-ahead", &c::plan_ahead),
       field("--target-itl-ms", &c::target_itl_ms), field("--itl-stretch", &c::itl_stretch),
-      field("--min-prefill-tokens", &c::min_prefill_tokens), field("--reload-drain-timeout-s", &c::reload_drain_timeout_s),
+      field("--min-prefill-tokens", &c::min_prefill_tokens), field("--step-timeout-s", &c::step_timeout_s),
+      field("--executor-stop-timeout-s", &c::executor_stop_timeout_s), field("--max-restarts", &c::max_restarts),
+      field("--restart-window-s", &c::restart_window_s), field("--reload-drain-timeout-s", &c::reload_drain_timeout_s),
       field("--reload-warmup-timeout-s", &c::reload_warmup_timeout_s), field("--chat-template", &c::chat_template),
       field("--max-models", &c::max_models), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
       field("--publish-port", &c::publish_port), field("--publish-host", &c::publish_host), field("--replica", &c::replicas),
@@ -135,6 +137,10 @@ int run_serve(serve_opts& o) {
   eo.sched.target_itl_ms = c.target_itl_ms;
   eo.sched.itl_stretch = c.itl_stretch;
   eo.sched.min_prefill_tokens = (int32_t)c.min_prefill_tokens;
+  eo.step_timeout_s = c.step_timeout_s;
+  eo.executor_stop_timeout_s = c.executor_stop_timeout_s;
+  eo.max_restarts = (int)c.max_restarts;
+  eo.restart_window_s = c.restart_window_s;
   eo.sched.max_model_len = ec.n_ctx;  // 0: the engine's limit (trained context, KV pool)
 
   // One version of the served model; a reload builds the next one the same way, from its file.
@@ -227,7 +233,15 @@ int run_serve(serve_opts& o) {
   so.drain_timeout_s = c.reload_drain_timeout_s;
   so.warmup_timeout_s = c.reload_warmup_timeout_s;
   net::model_registry models(load, ec.model_path, so, (size_t)c.max_models, load_default);
-  return net::run_http_server(http, models);
+  const int rc = net::run_http_server(http, models);
+  if (!http.device_loss->reason().empty()) {
+    // After a lost device the executor's thread may be wedged in a step (a hung kernel) or in
+    // freeing memory a hung kernel may touch: destroying the engines would wait for it forever.
+    std::fprintf(stderr, "troupe serve: exiting without stopping the engines (the device is lost)\n");
+    std::fflush(nullptr);
+    std::_Exit(rc);
+  }
+  return rc;
 }
 
 }  // namespace
@@ -261,6 +275,11 @@ action add_serve(CLI::App& app) {
                   "under a load the ITL target cannot hold, a step may still take this x its decodes' own time (>= 1)")
       ->capture_default_str();
   cmd->add_option("--min-prefill-tokens", f.min_prefill_tokens, "prefill tokens such a step still takes whatever the target")->capture_default_str();
+  cmd->add_option("--step-timeout-s", f.step_timeout_s, "an executor step longer than this fails: its sequences are requeued, the executor restarted")->capture_default_str();
+  cmd->add_option("--executor-stop-timeout-s", f.executor_stop_timeout_s,
+                  "an executor told to stop (failed or timed-out step) that has not within this is wedged: handled as a lost device")->capture_default_str();
+  cmd->add_option("--max-restarts", f.max_restarts, "executor restarts within --restart-window-s; one more failure opens the circuit (503)")->capture_default_str();
+  cmd->add_option("--restart-window-s", f.restart_window_s, "the window --max-restarts counts in")->capture_default_str();
   cmd->add_option("--max-body-bytes", f.max_body_bytes, "largest request body accepted (413 beyond)")->capture_default_str();
   cmd->add_option("--request-timeout-s", f.request_timeout_s, "deadline of one generation")->capture_default_str();
   cmd->add_option("--idle-timeout-s", f.idle_timeout_s, "reading one request, or waiting for the next on a kept-alive connection")->capture_default_str();

@@ -449,6 +449,61 @@ TEST_CASE("a lost device is not restarted: the circuit opens at the first failur
   CHECK_THAT(*reason, Catch::Contains("device is lost") && Catch::Contains("only a new process"));
 }
 
+TEST_CASE("a step past its timeout is stopped and recomputed on a restarted executor, output unchanged", "[actors][model][fault]") {
+  // The executor hangs 1 s in a step timed out after 0.3 s: the scheduler requeues its sequences
+  // and tells it to stop; it does once the step returns (within executor_stop_timeout_s), so it is
+  // restarted as after a failure, and the generation goes on to the same tokens.
+  const auto p = greedy(prompts[1], 24);
+  const auto ref = alone(p);
+  auto o = options();
+  o.step_timeout_s = 0.3;
+  o.executor_stop_timeout_s = 10;
+  auto eng = actors::engine_handle::start(o);
+  auto s = eng->submit(p);
+  const auto first = s->next(30s);
+  REQUIRE(first);
+  eng->inject_executor_hang(1.0);
+  auto out = drain(*s);
+  REQUIRE(out.final.type == actors::stream_event::kind::done);
+  out.tokens.insert(out.tokens.begin(), ref[0]);  // the first token, taken above
+  CHECK(out.tokens == ref);
+  const auto st = eng->stats();
+  CHECK(st.executor_restarts == 1);
+  CHECK_FALSE(st.circuit_open);
+  CHECK(st.device_lost.empty());
+}
+
+TEST_CASE("an executor that neither finishes a step nor stops is wedged: given up as a lost device", "[actors][model][fault]") {
+  // A hung kernel or a deadlock: the step outlasts its timeout and the executor's thread never
+  // takes the stop. After executor_stop_timeout_s the supervisor gives it up, as for a lost
+  // device: the generation fails with the reason, long before the hang ends, and the process is
+  // told (a server exits: the executor's thread cannot be joined).
+  auto o = options();
+  o.step_timeout_s = 0.3;
+  o.executor_stop_timeout_s = 0.3;
+  auto told = std::make_shared<std::atomic<int>>(0);
+  o.on_device_lost = [told](const std::string&) { ++*told; };
+  auto eng = actors::engine_handle::start(o);
+  auto s = eng->submit(greedy(prompts[0], 400));
+  REQUIRE(s->next(30s));
+  const double hang_s = 6;  // destroying the engine waits for it to end
+  eng->inject_executor_hang(hang_s);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto o1 = drain(*s);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(o1.final.type == actors::stream_event::kind::error);
+  CHECK(o1.final.error == actors::gen_error::unavailable);
+  CHECK_THAT(o1.final.message, Catch::Contains("executor is wedged") && Catch::Contains("0.3 s"));
+  CHECK(took < hang_s - 2);  // failed on the timeouts (0.6 s), not when the hang ended
+  const auto st = eng->stats();
+  CHECK(st.circuit_open);
+  CHECK(st.executor_restarts == 0);
+  CHECK_THAT(st.device_lost, Catch::Contains("executor is wedged"));
+  CHECK(told->load() == 1);
+  const auto o2 = drain(*eng->submit(greedy(prompts[1], 4)));
+  CHECK(o2.final.error == actors::gen_error::unavailable);
+}
+
 TEST_CASE("an executor killed mid-batch is restarted and every output is unchanged", "[actors][model][fault]") {
   std::vector<actors::generation_params> ps;
   for (int i = 0; i < 8; ++i) ps.push_back(greedy(prompts[i], 16));

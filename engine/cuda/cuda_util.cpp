@@ -109,7 +109,7 @@ void wait_event(cudaEvent_t ev, std::chrono::milliseconds timeout, const char* w
     if (cudaPeekAtLastError() == cudaErrorNotReady) cudaGetLastError();
     const auto waited = clock::now() - t0;
     if (waited > timeout)
-      throw kc::cuda_error(std::string(what) + ": the device did not finish within " + std::to_string(timeout.count()) +
+      throw device_timeout(std::string(what) + ": the device did not finish within " + std::to_string(timeout.count()) +
                            " ms (a hung kernel?)");
     if (waited > spin)
       std::this_thread::sleep_for(std::chrono::microseconds(20));

@@ -92,8 +92,16 @@ class event_handle {
   cudaEvent_t e_ = nullptr;
 };
 
+/// A wait for the device that timed out: its work still runs (a hung kernel?), and CUDA cannot
+/// cancel it, so nothing more can use the device in this process.
+class device_timeout : public kc::cuda_error {
+ public:
+  using kc::cuda_error::cuda_error;
+};
+
 /// Returns when `ev` has completed. Throws cuda_error naming `what` when the work behind it
-/// failed, or when it has not completed within `timeout` (a hung kernel never hangs the host).
+/// failed, or device_timeout when it has not completed within `timeout` (a hung kernel never
+/// hangs the host).
 /// Polls without sleeping (yielding the core) for the first `spin`, then sleeps 20 us between
 /// polls: a sleep overshoots by tens of microseconds, which a decode step that waits would add
 /// to its time.

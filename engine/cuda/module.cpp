@@ -1,33 +1,52 @@
 // libtroupe_cuda.so: the CUDA backend as a module (engine/device_module.hpp), so that only a
 // process that asks for a CUDA device loads the CUDA runtime and cuBLASLt.
 #include "engine/cuda/cuda_forward.hpp"
+#include "engine/cuda/cuda_util.hpp"
 #include "engine/device_module.hpp"
 
 namespace troupe::engine::cuda {
 namespace {
 
 class module_forward final : public device_forward {
+  // Runs f, noting a wait for the device that timed out (device_lost says so from then on).
+  template <class F>
+  decltype(auto) noting_timeouts(F&& f) {
+    try {
+      return f();
+    } catch (const device_timeout& e) {
+      timed_out_ = e.what();
+      throw;
+    }
+  }
+
  public:
   module_forward(const model& m, const cuda_options& o) : opt_(o), fwd_(m, o) {}
 
-  void copy_blocks(std::span<const block_copy> copies) override { fwd_.copy_blocks(copies); }
-  const std::vector<float>& forward(std::span<const seq_chunk> batch) override { return fwd_.forward(batch); }
+  void copy_blocks(std::span<const block_copy> copies) override {
+    noting_timeouts([&] { fwd_.copy_blocks(copies); });
+  }
+  const std::vector<float>& forward(std::span<const seq_chunk> batch) override {
+    return noting_timeouts([&]() -> const std::vector<float>& { return fwd_.forward(batch); });
+  }
   std::vector<token_id> forward_sample(std::span<const seq_chunk> batch, std::span<const device_sample_params> params,
                                        std::span<const std::span<const int32_t>> histories) override {
     rows_.clear();
     for (const device_sample_params& p : params)
       rows_.push_back({p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
                        p.frequency_penalty, p.seed, p.draw});
-    return fwd_.forward_sample(batch, rows_, histories);
+    return noting_timeouts([&] { return fwd_.forward_sample(batch, rows_, histories); });
   }
   int max_logit_rows() const override { return opt_.max_logit_rows; }
   int max_history_tokens() const override { return opt_.max_history_tokens; }
-  std::string device_lost() const override { return kc::sticky_error(); }
+  // A sticky error, or work that never finished: CUDA cannot cancel a kernel, so the device stays
+  // busy with it (and freeing memory it may touch would wait for it).
+  std::string device_lost() const override { return timed_out_.empty() ? kc::sticky_error() : "device timeout: " + timed_out_; }
 
  private:
   cuda_options opt_;
   cuda_forward fwd_;
   std::vector<kc::sample_row_params> rows_;
+  std::string timed_out_;  // the wait for the device that timed out, if one did
 };
 
 }  // namespace
@@ -51,6 +70,7 @@ __attribute__((visibility("default"))) troupe::engine::device_forward* troupe_cu
   c.max_context = o->max_context;
   c.max_logit_rows = o->max_logit_rows;
   c.use_graphs = o->graphs;
+  if (o->sync_timeout_ms > 0) c.sync_timeout = std::chrono::milliseconds(o->sync_timeout_ms);
   if (o->fused_decode) c.launch = troupe::engine::cuda::fused_decode(c.launch);
   return new troupe::engine::cuda::module_forward(*m, c);
 }

@@ -39,6 +39,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 namespace troupe_emu {
 namespace {
 
@@ -57,6 +59,7 @@ struct item {
   std::shared_ptr<event_state> ev;  // record, wait
   uint64_t seq = 0;                 // record: its number; wait: the record it waits for
   bool kernel = false;              // work that is a kernel (ours or cuBLASLt's)
+  bool hangs = false;               // work that never ends (TROUPE_EMU_HANG_FILE): nothing behind it runs
   std::shared_ptr<const kernel_launch> launch{};  // work that is one of our kernels
 };
 
@@ -160,7 +163,23 @@ cudaError_t refuse_while_capturing(const char* call) {
 bool runnable(const CUstream_st& s) {
   if (s.q.empty()) return false;
   const item& it = s.q.front();
-  return it.kind != item::wait || it.ev->reached >= it.seq;
+  return !it.hangs && (it.kind != item::wait || it.ev->reached >= it.seq);
+}
+
+// Hang injection for the serving tests: with TROUPE_EMU_HANG_FILE set, the first work enqueued on
+// a stream after that file appears removes it and never ends, as a kernel that spins forever: the
+// stream runs nothing more, queries say not ready, and a call that waits for it never returns.
+bool injected_hang() {
+  static const char* const path = std::getenv("TROUPE_EMU_HANG_FILE");
+  if (!path || ::unlink(path) != 0) return false;
+  std::fprintf(stderr, "cuda_emu: injected hang (%s): this work never ends\n", path);
+  return true;
+}
+
+bool device_hangs() {
+  for (CUstream_st* s : dev().streams)
+    if (!s->q.empty() && s->q.front().hangs) return true;
+  return false;
 }
 
 // Whether the stream's head is a programmatic launch (one that may start before the kernel ahead).
@@ -222,6 +241,10 @@ template <class Done>
 void run_until(Done done) {
   while (!done()) {
     if (!step()) {
+      if (device_hangs()) {  // what the device can never finish, the caller waits for forever
+        std::fprintf(stderr, "cuda_emu: a call waits for work that never ends: it never returns\n");
+        for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+      }
       // Cannot happen with the calls emulated here (a wait names a record already enqueued).
       std::fprintf(stderr, "cuda_emu: every stream waits for an event no stream will record\n");
       std::abort();
@@ -274,6 +297,7 @@ cudaError_t put(cudaStream_t s, item it) {
     s->capture->items.push_back(std::move(it));
     return ok();
   }
+  if (it.kind == item::work) it.hangs = injected_hang();
   if (s->q.empty()) {
     // Mostly the newest burst runs first: work enqueued later on another stream overtaking what
     // is still queued is the order that exposes a missing wait, whether the later work reads what

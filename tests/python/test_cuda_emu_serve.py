@@ -184,3 +184,30 @@ def test_with_exit_on_device_loss_false_the_server_stays_up_unhealthy_and_refusi
         assert proc.wait(timeout=30) == 0
         log = proc.stdout.read()
         assert "its device is lost" in log and "restarting it" not in log, log
+
+
+def test_a_hung_kernel_fails_the_request_within_the_step_timeout_and_stops_the_server(tmp_path, monkeypatch):
+    """A kernel that never ends (the emulation's TROUPE_EMU_HANG_FILE: the first work enqueued after
+    the test creates the file): the executor's wait for the step gives up at --step-timeout-s, and
+    CUDA cannot cancel the kernel, so the device is lost to this process; freeing the executor's
+    memory would wait for the kernel forever, so the executor may never stop either
+    (--executor-stop-timeout-s: then it is wedged). Either way the request gets a 503 naming the
+    timeout, and the server exits with status 1 without waiting for the executor's thread."""
+    hang = tmp_path / "hang"
+    monkeypatch.setenv("TROUPE_EMU_HANG_FILE", str(hang))
+    with running_server("--model", str(MODEL), "--device", "cuda", "--step-timeout-s", "3", "--executor-stop-timeout-s", "2",
+                        start_timeout=120) as (port, proc):
+        hang.touch()
+        t0 = time.monotonic()
+        body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+        st, failed = request(port, "POST", "/v1/completions", body, timeout=120)
+        took = time.monotonic() - t0
+        assert not hang.exists(), "no work took the injected hang"
+        assert st == 503, failed
+        message = failed["error"]["message"]
+        assert "the device did not finish within 3000 ms" in message or "executor is wedged" in message, message
+        assert took < 30, took
+        assert proc.wait(timeout=60) == 1
+        log = proc.stdout.read()
+        assert "not restarted, the process must be restarted" in log and "restarting it" not in log, log
+        assert "exiting without stopping the engines" in log, log
