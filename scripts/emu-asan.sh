@@ -7,13 +7,14 @@
 # test files through ctest, nproc at a time. Needs the set-up of scripts/setup.sh (the default
 # model, which the build cuts to 8 layers for the engine tests). CI runs it after scripts/test.sh.
 #
-#   scripts/emu-asan.sh                 # the kernel files: sampling attention quant ops cuda_emu (~10 min)
+#   scripts/emu-asan.sh                 # the kernel files: sampling attention quant ops errors, the
+#                                       # lone sticky-fault case, cuda_emu (~10 min)
 #   scripts/emu-asan.sh cuda_forward    # the engine's forward pass too: over 20 min alone, so not by default
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${TROUPE_ASAN_BUILD_DIR:-$root/build-asan}
 files=("$@")
-((${#files[@]})) || files=(sampling attention quant ops cuda_emu)
+((${#files[@]})) || files=(sampling attention quant ops errors sticky_error cuda_emu)
 
 # TROUPE_EMU_ASAN: the emulation and what it runs instrumented, not the CPU reference (tests/CMakeLists.txt).
 cmake -S "$root" -B "$build" -G Ninja -DTROUPE_SERVICE=OFF -DTROUPE_CUDA=OFF -DCMAKE_BUILD_TYPE=Release \
