@@ -158,8 +158,8 @@ def test_a_device_fault_fails_requests_clearly_and_stops_the_server(tmp_path, mo
 def test_with_exit_on_device_loss_false_the_server_stays_up_unhealthy_and_refusing(tmp_path, monkeypatch):
     """The same fault with --exit-on-device-loss false: the server stays up, refuses requests at
     once with the reason, /ready says the circuit is open, /health answers 503 with the reason (a
-    liveness probe restarts the process), /metrics has troupe_device_lost 1, and SIGTERM still stops
-    it cleanly."""
+    liveness probe restarts the process), /metrics has troupe_device_lost 1, a reload is refused
+    with the error its executor met, and SIGTERM still stops it with status 0."""
     fault = tmp_path / "fault"
     monkeypatch.setenv("TROUPE_EMU_FAULT_FILE", str(fault))
     with running_server("--model", str(MODEL), "--device", "cuda", "--exit-on-device-loss", "false",
@@ -180,6 +180,12 @@ def test_with_exit_on_device_loss_false_the_server_stays_up_unhealthy_and_refusi
         assert_names_the_lost_device(health["error"])
         assert series(port, "troupe_device_lost") == 1 and series(port, "troupe_circuit_open") == 1
         assert series(port, "troupe_executor_restarts_total") == 0
+        # A reload cannot help either: the new version's executor meets the sticky error at start,
+        # the reload is refused with it, and the lost version stays.
+        st, reload = request(port, "POST", "/admin/reload", timeout=120)
+        assert st == 500 and "could not start" in reload["error"]["message"], reload
+        assert "illegal memory access" in reload["error"]["message"], reload
+        assert request(port, "GET", "/health")[0] == 503
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         log = proc.stdout.read()
