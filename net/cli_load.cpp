@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <random>
@@ -188,6 +189,11 @@ int run_load_bench(const load_opts& o) {
                   "%lld admissions in them, %lld cut to the ITL target)\n",
                   st.sched_s / (double)st.n_steps * 1e6, st.executor_s / (double)st.n_steps * 1e3, (long long)st.n_steps,
                   (long long)st.n_steps_ahead, (long long)st.sched.n_admitted_ahead, (long long)st.sched.n_itl_capped);
+  }
+  if (!st.device_lost.empty()) {  // the executor's thread may be wedged: destroying the engine would wait for it
+    std::fprintf(stderr, "troupe bench: the model is unavailable: %s\n", st.device_lost.c_str());
+    std::fflush(nullptr);
+    std::_Exit(1);
   }
   return n_ok == o.requests ? 0 : 1;
 }
