@@ -208,9 +208,10 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg, 
   // that lost the device (a sticky CUDA error) is told to the supervisor first: no restart on that
   // device can succeed.
   self->set_exception_handler([self, st, supervisor](caf::scheduled_actor*, std::exception_ptr& x) {
+    caf::error err = exception_error(x);
     const std::string lost = st->injected_loss.empty() ? st->dev->device_lost() : st->injected_loss;
-    if (!lost.empty()) self->send<caf::message_priority::high>(supervisor, lost_atom::value, lost);
-    return exception_error(x);
+    if (!lost.empty()) self->send<caf::message_priority::high>(supervisor, lost_atom::value, exit_text(self->system(), err), lost);
+    return err;
   });
   self->send(supervisor, up_atom::value);
   return {

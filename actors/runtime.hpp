@@ -10,8 +10,8 @@
 //   scheduler --step(step_work)-->              executor    replies step_output (or error: lost)
 //   supervisor --executor(actor)-->             scheduler   a fresh executor (start and restarts)
 //   executor --up-->                            supervisor  its backend is built (weights, KV pools)
-//   executor --[h] lost(why)-->                 supervisor  just before dying of a failure that lost
-//                                                           its device (a sticky CUDA error)
+//   executor --[h] lost(why, error)-->          supervisor  just before dying of a failure that lost
+//                                                           its device (a sticky CUDA error, a timeout)
 //   supervisor --[h] circuit(why, lost)-->      scheduler   too many restarts, or the device lost (no
 //                                                           restart can help): fail everything
 //   scheduler --[h] stuck(executor)-->          supervisor  a step failed or timed out: the executor is

@@ -11,7 +11,9 @@
 // is logged to stderr.
 //
 // A lost device: an executor that dies of a failure that lost its device's context (a sticky CUDA
-// error: an illegal address, a kernel exception) says so first (lost). No restart can help — every
+// error: an illegal address, a kernel exception; or a wait for the device that timed out) says so
+// as it fails (lost), and is given up then, without waiting for its end: tearing down its device
+// state may itself wait forever (freeing memory a hung kernel uses). No restart can help — every
 // later CUDA call in the process fails the same way — so none is tried: the circuit opens at once
 // for good, and on_device_lost tells the process (the server exits, or reports itself unhealthy).
 //
@@ -37,7 +39,6 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
     std::deque<std::pair<std::chrono::steady_clock::time_point, std::string>> deaths;  // within the window
     bool ever_up = false;
     std::string start_error;  // the first executor's, when it never came up
-    std::string device_lost;  // the sticky error its last executor reported before dying
     caf::actor_addr stopping;  // the executor the scheduler stopped for a failed or timed-out step
     std::vector<caf::response_promise> ready_waiters;
   };
@@ -73,14 +74,6 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
       self->send<caf::message_priority::high>(scheduler, circuit_atom::value, st->start_error, false);
       return;
     }
-    if (!st->device_lost.empty()) {
-      // The failure, and the state of the device it left when that says more (a sticky error).
-      const std::string lost = st->device_lost.find(why) != std::string::npos ? st->device_lost : why + " (" + st->device_lost + ")";
-      const std::string reason = "its device is lost: " + lost + "; only a new process can use the device";
-      std::fprintf(stderr, "troupe: executor failed, its device is lost: %s: not restarted, the process must be restarted\n", lost.c_str());
-      give_up(reason);
-      return;
-    }
     const auto now = std::chrono::steady_clock::now();
     st->deaths.emplace_back(now, why);
     while (!st->deaths.empty() && std::chrono::duration<double>(now - st->deaths.front().first).count() > sv.window_s)
@@ -104,7 +97,15 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
   });
   spawn_executor();
   return {
-      [=](lost_atom, const std::string& why) { st->device_lost = why; },
+      [=](lost_atom, const std::string& why, const std::string& error) {
+        if (!st->executor || caf::actor_cast<caf::actor_addr>(self->current_sender()) != st->executor.address()) return;
+        self->demonitor(st->executor);
+        st->executor = nullptr;
+        // The failure, and the state of the device it left where that says more (a sticky error).
+        const std::string lost = error.find(why) != std::string::npos ? error : why + " (" + error + ")";
+        std::fprintf(stderr, "troupe: executor failed, its device is lost: %s: not restarted, the process must be restarted\n", lost.c_str());
+        give_up("its device is lost: " + lost + "; only a new process can use the device");
+      },
       [=](stuck_atom, const caf::actor_addr& executor) {
         if (!st->executor || st->executor.address() != executor) return;
         st->stopping = executor;

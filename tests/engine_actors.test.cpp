@@ -433,7 +433,12 @@ TEST_CASE("a lost device is not restarted: the circuit opens at the first failur
   CHECK(o1.final.error == actors::gen_error::unavailable);
   CHECK_THAT(o1.final.message, Catch::Contains("device is lost") && Catch::Contains("injected executor fault") &&
                                    Catch::Contains("cudaErrorIllegalAddress"));
-  const auto st = eng->stats();
+  // The circuit opens as the executor reports the loss; its end (not waited for) follows.
+  auto st = eng->stats();
+  for (const auto until = std::chrono::steady_clock::now() + 10s; st.executor_alive && std::chrono::steady_clock::now() < until;) {
+    std::this_thread::sleep_for(10ms);
+    st = eng->stats();
+  }
   CHECK(st.circuit_open);
   CHECK_FALSE(st.executor_alive);
   CHECK(st.executor_restarts == 0);
