@@ -53,8 +53,8 @@ class backend {
                                                        std::span<const device_sample_row>) {
     throw std::logic_error("executor: this backend samples on the host");
   }
-  /// After a failure: empty, or why the device can take no more work in this process.
-  virtual std::string device_lost() const { return {}; }
+  /// After `failure`: empty, or why the device can take no more work in this process.
+  virtual std::string device_lost(const std::exception_ptr& /*failure*/) const { return {}; }
 };
 
 // The CPU: KV pools in host memory, the forward on the executor's own threads — whole, or split
@@ -132,7 +132,7 @@ class cuda_backend final : public backend {
     if (!any_history) histories_.clear();
     return fwd_->forward_sample(batch, params_, histories_);
   }
-  std::string device_lost() const override { return fwd_->device_lost(); }
+  std::string device_lost(const std::exception_ptr& failure) const override { return fwd_->device_lost(failure); }
 
  private:
   static engine::device_forward_options options(const executor_config& c) {
@@ -209,7 +209,7 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg, 
   // device can succeed.
   self->set_exception_handler([self, st, supervisor](caf::scheduled_actor*, std::exception_ptr& x) {
     caf::error err = exception_error(x);
-    const std::string lost = st->injected_loss.empty() ? st->dev->device_lost() : st->injected_loss;
+    const std::string lost = st->injected_loss.empty() ? st->dev->device_lost(x) : st->injected_loss;
     if (!lost.empty()) self->send<caf::message_priority::high>(supervisor, lost_atom::value, exit_text(self->system(), err), lost);
     return err;
   });

@@ -64,10 +64,12 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
   self->set_down_handler([=](caf::down_msg& dm) {
     if (!st->executor || dm.source != st->executor.address()) return;
     st->executor = nullptr;
-    char timed_out[96];
-    std::snprintf(timed_out, sizeof timed_out, "a step took longer than %g s (stopped)", sv.step_timeout_s);
-    const std::string why = dm.source == st->stopping && dm.reason == caf::exit_reason::kill ? std::string(timed_out)
-                                                                                           : exit_text(self->system(), dm.reason);
+    std::string why = exit_text(self->system(), dm.reason);
+    if (dm.source == st->stopping && dm.reason == caf::exit_reason::kill) {  // the scheduler stopped it
+      char timed_out[96];
+      std::snprintf(timed_out, sizeof timed_out, "a step took longer than %g s (stopped)", sv.step_timeout_s);
+      why = timed_out;
+    }
     if (!st->ever_up) {
       st->start_error = "the executor could not start: " + why;
       answer_waiters();

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <span>
 #include <string>
@@ -49,10 +50,11 @@ class device_forward {
                                                std::span<const std::span<const int32_t>> histories) = 0;
   virtual int max_logit_rows() const = 0;
   virtual int max_history_tokens() const = 0;
-  /// Empty while the device still takes work. After a failure, the sticky error when the failure
-  /// lost the device's context (kernels::cuda::sticky_error): nothing in this process can use the
-  /// device again, a new forward on it included.
-  virtual std::string device_lost() const = 0;
+  /// After `failure` (an exception this forward threw): empty while the device still takes work;
+  /// else why not — a wait for the device that timed out (work that never ends), or the sticky error
+  /// that lost its context (kernels::cuda::sticky_error). Nothing in this process can use the
+  /// device again then, a new forward on it included.
+  virtual std::string device_lost(const std::exception_ptr& failure) const = 0;
 };
 
 /// The module's file: $TROUPE_CUDA_MODULE, else libtroupe_cuda.so beside the executable, else
@@ -67,7 +69,7 @@ std::unique_ptr<device_forward> open_cuda_forward(const model& m, const device_f
 
 /// The module's entry points (C linkage, looked up by name; the version guards against a module
 /// from another build).
-inline constexpr int cuda_module_abi = 4;
+inline constexpr int cuda_module_abi = 5;
 extern "C" {
 using cuda_module_abi_fn = int (*)();
 using cuda_module_device_count_fn = int (*)();

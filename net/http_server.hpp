@@ -55,7 +55,8 @@ struct server_options {
 /// Listens, prints "troupe serve: listening on http://HOST:PORT" to stdout, and serves until
 /// SIGINT or SIGTERM: then it accepts nothing new, lets generations in flight finish for
 /// shutdown_grace_s, cancels the rest (their clients get a 503 error), and returns 0; so too after a
-/// lost device (exit_on_device_loss), returning 1. Returns the process exit code. Throws std::runtime_error when it cannot bind. Each request runs on the
+/// lost device (exit_on_device_loss), returning 1: the process exit code. Throws
+/// std::runtime_error when it cannot bind. Each request runs on the
 /// current version of the model it names (none: the default); POST /admin/reload and SIGHUP
 /// reload a model, /admin/models/load and /unload add and remove models (model_slot.hpp).
 /// `models` must outlive the call.

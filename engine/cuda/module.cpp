@@ -8,45 +8,37 @@ namespace troupe::engine::cuda {
 namespace {
 
 class module_forward final : public device_forward {
-  // Runs f, noting a wait for the device that timed out (device_lost says so from then on).
-  template <class F>
-  decltype(auto) noting_timeouts(F&& f) {
-    try {
-      return f();
-    } catch (const device_timeout& e) {
-      timed_out_ = e.what();
-      throw;
-    }
-  }
-
  public:
   module_forward(const model& m, const cuda_options& o) : opt_(o), fwd_(m, o) {}
 
-  void copy_blocks(std::span<const block_copy> copies) override {
-    noting_timeouts([&] { fwd_.copy_blocks(copies); });
-  }
-  const std::vector<float>& forward(std::span<const seq_chunk> batch) override {
-    return noting_timeouts([&]() -> const std::vector<float>& { return fwd_.forward(batch); });
-  }
+  void copy_blocks(std::span<const block_copy> copies) override { fwd_.copy_blocks(copies); }
+  const std::vector<float>& forward(std::span<const seq_chunk> batch) override { return fwd_.forward(batch); }
   std::vector<token_id> forward_sample(std::span<const seq_chunk> batch, std::span<const device_sample_params> params,
                                        std::span<const std::span<const int32_t>> histories) override {
     rows_.clear();
     for (const device_sample_params& p : params)
       rows_.push_back({p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
                        p.frequency_penalty, p.seed, p.draw});
-    return noting_timeouts([&] { return fwd_.forward_sample(batch, rows_, histories); });
+    return fwd_.forward_sample(batch, rows_, histories);
   }
   int max_logit_rows() const override { return opt_.max_logit_rows; }
   int max_history_tokens() const override { return opt_.max_history_tokens; }
-  // A sticky error, or work that never finished: CUDA cannot cancel a kernel, so the device stays
-  // busy with it (and freeing memory it may touch would wait for it).
-  std::string device_lost() const override { return timed_out_.empty() ? kc::sticky_error() : "device timeout: " + timed_out_; }
+  // Work that never finished (CUDA cannot cancel a kernel, so the device stays busy with it, and
+  // freeing memory it may touch would wait for it), or a sticky error.
+  std::string device_lost(const std::exception_ptr& failure) const override {
+    try {
+      if (failure) std::rethrow_exception(failure);
+    } catch (const device_timeout& e) {
+      return std::string("device timeout: ") + e.what();
+    } catch (...) {
+    }
+    return kc::sticky_error();
+  }
 
  private:
   cuda_options opt_;
   cuda_forward fwd_;
   std::vector<kc::sample_row_params> rows_;
-  std::string timed_out_;  // the wait for the device that timed out, if one did
 };
 
 }  // namespace
