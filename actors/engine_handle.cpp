@@ -169,7 +169,7 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   if (std::string err = replica_tls_error(o.replica_tls_cert, o.replica_tls_key, o.replica_tls_ca); !err.empty())
     throw std::invalid_argument(err);
   auto p = std::make_unique<impl>();
-  p->model = std::shared_ptr<const engine::model>(engine::model::load(o.model_path));
+  p->model = std::shared_ptr<const engine::model>(engine::model::load(o.model_path, {o.dummy_weights, o.dummy_seed, o.cuda_device < 0}));
   if (std::string err = engine::parallel_error(*p->model, {o.tensor_parallel, o.pipeline_parallel, o.expert_parallel}); !err.empty())
     throw std::invalid_argument(err);
   const auto& hp = p->model->hparams();

@@ -96,6 +96,10 @@ class generation_stream {
 
 struct engine_options {
   std::string model_path;
+  // Random weights of the model's shapes (engine::load_options::dummy; model_path may name a
+  // built-in architecture), held on the host for the CPU executor only (a CUDA device makes its own).
+  bool dummy_weights = false;
+  uint64_t dummy_seed = 0;
   int n_threads = 1;
   int kv_block_size = 16;
   // Sliding-window layers in their own KV groups, each keeping its window's blocks only (CPU

@@ -57,6 +57,13 @@ class backend {
   virtual std::string device_lost(const std::exception_ptr& /*failure*/) const { return {}; }
 };
 
+// The model's weights on the host, which a dummy model for a CUDA device lacks.
+const engine::model& with_host_weights(const engine::model& m) {
+  if (!m.has_host_weights())
+    throw std::invalid_argument("the model's random weights were left to a CUDA device to generate: the CPU executor has none");
+  return m;
+}
+
 // The CPU: KV pools in host memory, the forward on the executor's own threads — whole, or split
 // over ranks or stages, each with the KV pools of its share (engine/split_forward.hpp).
 class cpu_backend final : public backend {
@@ -64,7 +71,7 @@ class cpu_backend final : public backend {
   explicit cpu_backend(const executor_config& c)
       : emulate_device_sampling_(c.emulate_device_sampling),
         n_vocab_((size_t)c.model->hparams().n_vocab),
-        fwd_(*c.model, {c.tensor_parallel, c.pipeline_parallel, c.expert_parallel}, c.kv, c.n_device_blocks, c.n_host_blocks,
+        fwd_(with_host_weights(*c.model), {c.tensor_parallel, c.pipeline_parallel, c.expert_parallel}, c.kv, c.n_device_blocks, c.n_host_blocks,
              c.n_threads) {}
 
   void copy_blocks(const std::vector<engine::block_copy>& copies) override {

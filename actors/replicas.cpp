@@ -59,6 +59,7 @@ std::string model_fingerprint(const engine::model& m) {
   f.add(hp.arch);
   f.add(hp.name);
   for (int64_t v : {hp.n_layers, hp.d_model, hp.n_heads, hp.n_kv_heads, hp.head_dim, hp.d_ff, hp.n_vocab}) f.add(v);
+  if (m.dummy()) f.add((int64_t)m.dummy_seed());  // random weights a device made: their seed names them
   const engine::tokenizer& tok = m.vocab();
   for (engine::token_id t = 0; t < tok.n_vocab(); ++t) f.add(tok.token_text(t));
   f.add(m.token_embd());

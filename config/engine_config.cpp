@@ -27,6 +27,9 @@ std::string validate(const engine_config& c) {
   if (c.tensor_parallel * c.pipeline_parallel > 64)
     return "--tensor-parallel x --pipeline-parallel must be at most 64 workers, got " + std::to_string(c.tensor_parallel * c.pipeline_parallel);
   if (c.max_kv_bytes < (1 << 20)) return "--max-kv-bytes must be at least 1 MiB";
+  if (c.load_format != "auto" && c.load_format != "dummy")
+    return "--load-format must be \"auto\" or \"dummy\", got \"" + c.load_format + "\"";
+  if (c.dummy_seed < 0) return "--dummy-seed must be >= 0, got " + std::to_string(c.dummy_seed);
   try {
     parse_device(c.device);
   } catch (const std::invalid_argument& e) {

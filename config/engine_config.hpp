@@ -9,6 +9,10 @@ namespace troupe::config {
 
 struct engine_config {
   std::string model_path;   // empty: the default model (see default_model_path)
+  // "auto": the file's weights; "dummy": random weights of its shapes, or of a built-in
+  // architecture named in place of a file (engine::load_options; vLLM's --load-format dummy).
+  std::string load_format = "auto";
+  int dummy_seed = 0;  // the random weights' seed
   int n_threads = 0;        // 0: one per physical core the process may use
   int n_ctx = 0;            // max positions per sequence; 0: the model's trained context
   int kv_block_size = 16;   // positions per KV block

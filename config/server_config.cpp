@@ -132,6 +132,14 @@ const std::vector<key_spec>& keys() {
          c.engine.model_path = *v;
          return {};
        }},
+      {"engine", "load_format",
+       [](const toml::node& n, server_config& c) -> std::string {
+         const auto v = n.value_exact<std::string>();
+         if (!v) return "expected a string, got " + type_name(n);
+         c.engine.load_format = *v;
+         return {};
+       }},
+      {"engine", "dummy_seed", engine_int_key(&engine_config::dummy_seed)},
       {"engine", "threads", engine_int_key(&engine_config::n_threads)},
       {"engine", "ctx_size", engine_int_key(&engine_config::n_ctx)},
       {"engine", "kv_block_size", engine_int_key(&engine_config::kv_block_size)},
@@ -296,6 +304,9 @@ std::string validate(const server_config& c) {
   } catch (const std::invalid_argument&) {
     return range_error("engine.device", "--device", "\"cpu\", \"cuda\" or \"cuda:N\"", "\"" + e.device + "\"");
   }
+  if (e.load_format != "auto" && e.load_format != "dummy")
+    return range_error("engine.load_format", "--load-format", "\"auto\" or \"dummy\"", "\"" + e.load_format + "\"");
+  if (e.dummy_seed < 0) return range_error("engine.dummy_seed", "--dummy-seed", ">= 0", std::to_string(e.dummy_seed));
   if (c.kv_mb < 1 || c.kv_mb > (int64_t(1) << 24)) return range_error("engine.kv_mb", "--kv-mb", "in [1, 16777216]", std::to_string(c.kv_mb));
   if (!c.chat_template.empty() && c.chat_template != "chatml" && c.chat_template != "llama3" && c.chat_template != "gemma" &&
       c.chat_template != "mistral")
@@ -400,7 +411,7 @@ std::string describe(const server_config& c) {
     << "\naffinity_blocks = " << c.replica_affinity_blocks << "\ntls_cert = " << quote(c.replica_tls_cert)
     << "\ntls_key = " << quote(c.replica_tls_key) << "\ntls_ca = " << quote(c.replica_tls_ca) << "\n"
     << "[engine]\n"
-    << "model = " << quote(e.model_path) << "\nthreads = " << e.n_threads << "\nctx_size = " << e.n_ctx
+    << "model = " << quote(e.model_path) << "\nload_format = " << quote(e.load_format) << "\ndummy_seed = " << e.dummy_seed << "\nthreads = " << e.n_threads << "\nctx_size = " << e.n_ctx
     << "\nkv_block_size = " << e.kv_block_size << "\nbatch_size = " << e.n_batch << "\ntensor_parallel = " << e.tensor_parallel << "\npipeline_parallel = " << e.pipeline_parallel << "\nexpert_parallel = " << e.expert_parallel << "\nkv_mb = " << c.kv_mb
     << "\nswa_full = " << (e.swa_full ? "true" : "false")
     << "\ndevice = " << quote(e.device) << "\ncuda_graphs = " << (e.cuda_graphs ? "true" : "false")

@@ -153,6 +153,8 @@ TEST_CASE("server_config: out-of-range values are named by validate()", "[config
       {"[scheduler]\nmax_restarts = -1", "scheduler.max_restarts (--max-restarts) must be in [0, 1000]"},
       {"[scheduler]\nrestart_window_s = 0", "scheduler.restart_window_s (--restart-window-s)"},
       {"[engine]\nchat_template = \"jinja\"", "engine.chat_template (--chat-template)"},
+      {"[engine]\nload_format = \"safetensors\"", "engine.load_format (--load-format) must be \"auto\" or \"dummy\""},
+      {"[engine]\ndummy_seed = -1", "engine.dummy_seed (--dummy-seed) must be >= 0"},
       {"[reload]\nmax_models = 0", "reload.max_models (--max-models) must be in [1, 64]"},
       {"[reload]\ndrain_timeout_s = -1", "reload.drain_timeout_s (--reload-drain-timeout-s) must be >= 0"},
       {"[reload]\nwarmup_timeout_s = 0", "reload.warmup_timeout_s (--reload-warmup-timeout-s) must be > 0"},
@@ -195,7 +197,7 @@ TEST_CASE("server_config: out-of-range values are named by validate()", "[config
 }
 
 TEST_CASE("server_config: describe() redacts API keys and round-trips through parse_toml", "[config]") {
-  server_config c = parse_toml("[server]\nport = 1234\n[websocket]\nsend_timeout_s = 2.5\n[engine]\ncuda_graphs = false\ncuda_fused_decode = true\n[scheduler]\nplan_ahead = false\ntarget_itl_ms = 45.5\n[auth]\napi_keys = [\"secret-one\", \"secret-two\"]\nadmin_api_keys = [\"adm1n\"]\n");
+  server_config c = parse_toml("[server]\nport = 1234\n[websocket]\nsend_timeout_s = 2.5\n[engine]\ncuda_graphs = false\ncuda_fused_decode = true\nmodel = \"qwen2.5-7b\"\nload_format = \"dummy\"\ndummy_seed = 9\n[scheduler]\nplan_ahead = false\ntarget_itl_ms = 45.5\n[auth]\napi_keys = [\"secret-one\", \"secret-two\"]\nadmin_api_keys = [\"adm1n\"]\n");
   CHECK_FALSE(c.engine.cuda_graphs);
   CHECK(c.engine.cuda_fused_decode);
   const std::string d = describe(c);
@@ -208,6 +210,9 @@ TEST_CASE("server_config: describe() redacts API keys and round-trips through pa
   CHECK_FALSE(back.plan_ahead);
   CHECK_FALSE(back.engine.cuda_graphs);
   CHECK(back.engine.cuda_fused_decode);
+  CHECK(back.engine.model_path == "qwen2.5-7b");
+  CHECK(back.engine.load_format == "dummy");
+  CHECK(back.engine.dummy_seed == 9);
   CHECK(back.target_itl_ms == 45.5);
   CHECK(back.api_keys.size() == 2);
 }

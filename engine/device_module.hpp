@@ -63,13 +63,13 @@ std::string cuda_module_path();
 /// CUDA devices usable by this process. Throws std::runtime_error naming the reason when the
 /// module is missing (a build without nvcc) or cannot be loaded (its CUDA libraries absent).
 int cuda_device_count();
-/// Uploads m's weights to o.device and allocates its KV pools; the module's errors (no such
+/// Uploads m's weights to o.device (a dummy model's are generated there) and allocates its KV pools; the module's errors (no such
 /// device, out of memory) propagate as thrown. Same load errors as cuda_device_count().
 std::unique_ptr<device_forward> open_cuda_forward(const model& m, const device_forward_options& o);
 
 /// The module's entry points (C linkage, looked up by name; the version guards against a module
 /// from another build).
-inline constexpr int cuda_module_abi = 5;
+inline constexpr int cuda_module_abi = 6;
 extern "C" {
 using cuda_module_abi_fn = int (*)();
 using cuda_module_device_count_fn = int (*)();

@@ -1,8 +1,13 @@
 #include "engine/model.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <stdexcept>
 
+#include "engine/unicode.hpp"
 #include "kernels/dequant.hpp"
+#include "kernels/fp16.hpp"
 
 namespace troupe::engine {
 
@@ -72,14 +77,123 @@ std::vector<float> vector_f32(const gguf_file& f, const std::string& name, int64
   return v;
 }
 
-}  // namespace
+uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
 
-std::unique_ptr<model> model::load(const std::string& path) {
-  std::unique_ptr<model> m(new model());
-  m->file_ = gguf_file::open(path);
-  const gguf_file& f = *m->file_;
-  model_hparams& hp = m->hp_;
+uint64_t name_hash(const std::string& name) {  // FNV-1a: each tensor's random stream depends on its name only
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (unsigned char c : name) h = (h ^ c) * 0x100000001b3ULL;
+  return h;
+}
 
+// Where load() takes the weights from: the file (f), or random ones of the same shapes (dummy),
+// checked against the file's tensors where there is a file.
+class weight_source {
+ public:
+  weight_source(const gguf_file* f, const load_options& o, std::vector<std::unique_ptr<uint8_t[]>>& owned)
+      : f_(f), o_(o), owned_(owned) {}
+
+  // stddev: of the random weights (uniform), 0 for 1/sqrt(n_in), which keeps activations O(1)
+  // through any depth.
+  kernels::weight_view matrix(const std::string& name, int64_t n_in, int64_t n_out, float stddev = 0) {
+    if (!o_.dummy) return engine::matrix(*f_, name, n_in, n_out, owned_);
+    if (f_) {
+      const int64_t ne[2] = {n_in, n_out};
+      f_->tensor(name, ne);
+    }
+    return random(name, n_in, n_out, stddev);
+  }
+
+  std::vector<kernels::weight_view> matrices(const std::string& name, int64_t n_in, int64_t n_out, int64_t n_expert) {
+    if (!o_.dummy) return engine::matrices(*f_, name, n_in, n_out, n_expert, owned_);
+    if (f_) {
+      const int64_t ne[3] = {n_in, n_out, n_expert};
+      f_->tensor(name, ne);
+    }
+    std::vector<kernels::weight_view> out;
+    for (int64_t e = 0; e < n_expert; ++e) out.push_back(random(name + "#" + std::to_string(e), n_in, n_out, 0));
+    return out;
+  }
+
+  // Random: norm weights 1, biases uniform in [-0.1, 0.1].
+  std::vector<float> vector(const std::string& name, int64_t n) {
+    if (!o_.dummy) return vector_f32(*f_, name, n);
+    if (f_) {
+      const int64_t ne[1] = {n};
+      f_->tensor(name, ne);
+    }
+    std::vector<float> v((size_t)n, 1.0f);
+    if (name.ends_with(".bias")) {
+      uint64_t st = o_.seed ^ name_hash(name);
+      for (float& x : v) x = ((float)(splitmix64(st) >> 40) / (float)(1 << 24) * 2.0f - 1.0f) * 0.1f;
+    }
+    return v;
+  }
+
+ private:
+  kernels::weight_view random(const std::string& name, int64_t n_in, int64_t n_out, float stddev) {
+    if (stddev == 0) stddev = 1.0f / std::sqrt((float)n_in);
+    const float a = stddev * std::sqrt(3.0f);  // uniform in [-a, a]
+    if (!o_.host_weights) return {kernels::dtype::bf16, nullptr, n_out, n_in, (size_t)n_in * 2};
+    uint64_t st = o_.seed ^ name_hash(name);
+    const int64_t n = n_in * n_out;
+    if (n_in % 32 == 0) {  // q8_0: q uniform in [-127, 127], one scale a / 127
+      const int64_t n_blocks = n / 32;
+      owned_.push_back(std::make_unique<uint8_t[]>((size_t)n_blocks * sizeof(kernels::block_q8_0)));
+      auto* b = reinterpret_cast<kernels::block_q8_0*>(owned_.back().get());
+      const kernels::fp16_t d = kernels::f32_to_fp16(a / 127.0f);
+      for (int64_t i = 0; i < n_blocks; ++i) {
+        b[i].d = d;
+        for (int j = 0; j < 32; j += 8) {
+          const uint64_t r = splitmix64(st);
+          for (int k = 0; k < 8; ++k) b[i].qs[j + k] = (int8_t)((int)(((r >> (8 * k)) & 0xff) * 255 >> 8) - 127);
+        }
+      }
+      return {kernels::dtype::q8_0, b, n_out, n_in, (size_t)(n_in / 32) * sizeof(kernels::block_q8_0)};
+    }
+    owned_.push_back(std::make_unique<uint8_t[]>((size_t)n * sizeof(float)));
+    auto* w = reinterpret_cast<float*>(owned_.back().get());
+    for (int64_t i = 0; i < n; ++i) w[i] = ((float)(splitmix64(st) >> 40) / (float)(1 << 24) * 2.0f - 1.0f) * a;
+    return {kernels::dtype::f32, w, n_out, n_in, (size_t)n_in * sizeof(float)};
+  }
+
+  const gguf_file* f_;
+  const load_options& o_;
+  std::vector<std::unique_ptr<uint8_t[]>>& owned_;
+};
+
+// A byte-level BPE vocabulary of n tokens for a built-in architecture: the 256 bytes, ChatML's
+// special tokens (<|endoftext|> the EOS), then words " w<N>" that encoding never produces (there
+// are no merges) but a random model samples and decoding renders.
+std::unique_ptr<tokenizer> synthetic_vocab(int n) {
+  vocab_spec v;
+  v.model = "gpt2";
+  v.pre = "gpt-2";
+  for (int b = 0; b < 256; ++b) {
+    v.tokens.emplace_back(unicode::byte_to_utf8((uint8_t)b));
+    v.types.push_back((int32_t)token_type::normal);
+  }
+  for (const char* special : {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}) {
+    v.tokens.emplace_back(special);
+    v.types.push_back((int32_t)token_type::control);
+  }
+  v.eos = 256;
+  v.add_bos = false;
+  const std::string space(unicode::byte_to_utf8((uint8_t)' '));
+  for (int i = (int)v.tokens.size(); i < n; ++i) {
+    v.tokens.push_back(space + "w" + std::to_string(i));
+    v.types.push_back((int32_t)token_type::normal);
+  }
+  return tokenizer::from_vocab(v);
+}
+
+// The hyper-parameters in f's metadata, checked.
+model_hparams hparams_of(const gguf_file& f) {
+  model_hparams hp;
   hp.arch = f.get_string("general.architecture").value_or("");
   if (hp.arch == "llama" || hp.arch == "mistral") {
     hp.rope = kernels::rope_style::normal;
@@ -124,56 +238,125 @@ std::unique_ptr<model> model::load(const std::string& path) {
     if (hp.n_layers == 62) hp.attn_scale = 1.0f / std::sqrt((float)hp.d_model / (float)hp.n_heads);
   }
 
-  m->tok_ = tokenizer::from_gguf(f);
-  const gguf_tensor* emb = f.find_tensor("token_embd.weight");
-  if (!emb) fail(f, "missing tensor 'token_embd.weight'");
-  if (emb->ne.size() != 2) fail(f, "tensor 'token_embd.weight' is not a matrix");
-  hp.n_vocab = (int)emb->ne[1];
-  if (hp.n_vocab < m->tok_->n_vocab())
-    fail(f, "tensor 'token_embd.weight' has " + std::to_string(hp.n_vocab) + " rows for a vocabulary of " +
-                std::to_string(m->tok_->n_vocab()) + " tokens");
+  return hp;
+}
+
+}  // namespace
+
+const std::vector<std::string>& synthetic_architectures() {
+  static const std::vector<std::string> names = {"llama-3-8b", "qwen2.5-7b", "smollm2-135m"};
+  return names;
+}
+
+model_hparams synthetic_hparams(const std::string& arch) {
+  model_hparams hp;
+  hp.name = arch;
+  if (arch == "llama-3-8b") {
+    hp.arch = "llama";
+    hp.n_layers = 32, hp.d_model = 4096, hp.n_heads = 32, hp.n_kv_heads = 8, hp.head_dim = 128;
+    hp.d_ff = 14336, hp.n_vocab = 128256, hp.n_ctx_train = 8192, hp.rope_base = 500000.0f;
+  } else if (arch == "qwen2.5-7b") {
+    hp.arch = "qwen2";
+    hp.n_layers = 28, hp.d_model = 3584, hp.n_heads = 28, hp.n_kv_heads = 4, hp.head_dim = 128;
+    hp.d_ff = 18944, hp.n_vocab = 152064, hp.n_ctx_train = 32768, hp.rope_base = 1000000.0f, hp.norm_eps = 1e-6f;
+    hp.rope = kernels::rope_style::neox;
+  } else if (arch == "smollm2-135m") {
+    hp.arch = "llama";
+    hp.n_layers = 30, hp.d_model = 576, hp.n_heads = 9, hp.n_kv_heads = 3, hp.head_dim = 64;
+    hp.d_ff = 1536, hp.n_vocab = 49152, hp.n_ctx_train = 8192, hp.rope_base = 100000.0f, hp.tied_output = true;
+  } else {
+    std::string known;
+    for (const auto& n : synthetic_architectures()) known += (known.empty() ? "" : ", ") + n;
+    throw std::invalid_argument("unknown architecture '" + arch + "' (built in: " + known + ")");
+  }
+  hp.n_rot = hp.head_dim;
+  return hp;
+}
+
+std::unique_ptr<model> model::load(const std::string& path, const load_options& o) {
+  std::unique_ptr<model> m(new model());
+  m->load_ = o;
+  const bool builtin = std::find(synthetic_architectures().begin(), synthetic_architectures().end(), path) !=
+                       synthetic_architectures().end();
+  if (builtin && !o.dummy && !std::filesystem::exists(path))
+    throw std::invalid_argument("'" + path + "' is a built-in architecture, not a file: its random weights need --load-format dummy");
+  if (o.dummy && !builtin && !std::filesystem::exists(path)) {
+    std::string known;
+    for (const auto& n : synthetic_architectures()) known += (known.empty() ? "" : ", ") + n;
+    throw std::invalid_argument("'" + path + "' is neither a file nor a built-in architecture (" + known + ")");
+  }
+  if (!o.dummy || !builtin || std::filesystem::exists(path)) m->file_ = gguf_file::open(path);
+  const gguf_file* f = m->file_.get();
+  model_hparams& hp = m->hp_;
+  weight_source src(f, o, m->owned_);
+
+  if (f) {
+    hp = hparams_of(*f);
+    m->tok_ = tokenizer::from_gguf(*f);
+    const gguf_tensor* emb = f->find_tensor("token_embd.weight");
+    if (!emb) fail(*f, "missing tensor 'token_embd.weight'");
+    if (emb->ne.size() != 2) fail(*f, "tensor 'token_embd.weight' is not a matrix");
+    hp.n_vocab = (int)emb->ne[1];
+    if (hp.n_vocab < m->tok_->n_vocab())
+      fail(*f, "tensor 'token_embd.weight' has " + std::to_string(hp.n_vocab) + " rows for a vocabulary of " +
+                   std::to_string(m->tok_->n_vocab()) + " tokens");
+    hp.tied_output = f->find_tensor("output.weight") == nullptr;
+  } else {
+    hp = synthetic_hparams(path);
+    m->tok_ = synthetic_vocab(hp.n_vocab);
+  }
 
   const int64_t d = hp.d_model, q_dim = (int64_t)hp.n_heads * hp.head_dim, kv_dim = (int64_t)hp.n_kv_heads * hp.head_dim;
-  m->token_embd_ = matrix(f, "token_embd.weight", d, hp.n_vocab, m->owned_);
-  hp.tied_output = f.find_tensor("output.weight") == nullptr;
-  m->output_ = hp.tied_output ? m->token_embd_ : matrix(f, "output.weight", d, hp.n_vocab, m->owned_);
-  m->output_norm_ = vector_f32(f, "output_norm.weight", d);
-  if (f.find_tensor("rope_freqs.weight")) m->rope_freqs_ = vector_f32(f, "rope_freqs.weight", hp.n_rot / 2);
+  m->token_embd_ = src.matrix("token_embd.weight", d, hp.n_vocab, 1.0f);
+  m->output_ = hp.tied_output ? m->token_embd_ : src.matrix("output.weight", d, hp.n_vocab);
+  m->output_norm_ = src.vector("output_norm.weight", d);
+  // RoPE's frequency factors are configuration (Llama 3.1's scaling), not learned: from the file.
+  if (f && f->find_tensor("rope_freqs.weight")) m->rope_freqs_ = vector_f32(*f, "rope_freqs.weight", hp.n_rot / 2);
 
   m->layers_.resize((size_t)hp.n_layers);
   for (int il = 0; il < hp.n_layers; ++il) {
     const std::string p = "blk." + std::to_string(il) + ".";
     layer_weights& l = m->layers_[(size_t)il];
-    l.attn_norm = vector_f32(f, p + "attn_norm.weight", d);
-    l.ffn_norm = vector_f32(f, p + "ffn_norm.weight", d);
-    l.wq = matrix(f, p + "attn_q.weight", d, q_dim, m->owned_);
-    l.wk = matrix(f, p + "attn_k.weight", d, kv_dim, m->owned_);
-    l.wv = matrix(f, p + "attn_v.weight", d, kv_dim, m->owned_);
-    l.wo = matrix(f, p + "attn_output.weight", q_dim, d, m->owned_);
+    l.attn_norm = src.vector(p + "attn_norm.weight", d);
+    l.ffn_norm = src.vector(p + "ffn_norm.weight", d);
+    l.wq = src.matrix(p + "attn_q.weight", d, q_dim);
+    l.wk = src.matrix(p + "attn_k.weight", d, kv_dim);
+    l.wv = src.matrix(p + "attn_v.weight", d, kv_dim);
+    l.wo = src.matrix(p + "attn_output.weight", q_dim, d);
     if (hp.n_experts > 0) {
-      l.router = matrix(f, p + "ffn_gate_inp.weight", d, hp.n_experts, m->owned_);
-      l.expert_gate = matrices(f, p + "ffn_gate_exps.weight", d, hp.d_ff, hp.n_experts, m->owned_);
-      l.expert_up = matrices(f, p + "ffn_up_exps.weight", d, hp.d_ff, hp.n_experts, m->owned_);
-      l.expert_down = matrices(f, p + "ffn_down_exps.weight", hp.d_ff, d, hp.n_experts, m->owned_);
+      l.router = src.matrix(p + "ffn_gate_inp.weight", d, hp.n_experts);
+      l.expert_gate = src.matrices(p + "ffn_gate_exps.weight", d, hp.d_ff, hp.n_experts);
+      l.expert_up = src.matrices(p + "ffn_up_exps.weight", d, hp.d_ff, hp.n_experts);
+      l.expert_down = src.matrices(p + "ffn_down_exps.weight", hp.d_ff, d, hp.n_experts);
     } else {
-      l.w_gate = matrix(f, p + "ffn_gate.weight", d, hp.d_ff, m->owned_);
-      l.w_up = matrix(f, p + "ffn_up.weight", d, hp.d_ff, m->owned_);
-      l.w_down = matrix(f, p + "ffn_down.weight", hp.d_ff, d, m->owned_);
+      l.w_gate = src.matrix(p + "ffn_gate.weight", d, hp.d_ff);
+      l.w_up = src.matrix(p + "ffn_up.weight", d, hp.d_ff);
+      l.w_down = src.matrix(p + "ffn_down.weight", hp.d_ff, d);
     }
     if (hp.gemma) {
-      l.q_norm = vector_f32(f, p + "attn_q_norm.weight", hp.head_dim);
-      l.k_norm = vector_f32(f, p + "attn_k_norm.weight", hp.head_dim);
-      l.post_attn_norm = vector_f32(f, p + "post_attention_norm.weight", d);
-      l.post_ffn_norm = vector_f32(f, p + "post_ffw_norm.weight", d);
+      l.q_norm = src.vector(p + "attn_q_norm.weight", hp.head_dim);
+      l.k_norm = src.vector(p + "attn_k_norm.weight", hp.head_dim);
+      l.post_attn_norm = src.vector(p + "post_attention_norm.weight", d);
+      l.post_ffn_norm = src.vector(p + "post_ffw_norm.weight", d);
       l.sliding = hp.sliding_window > 0 && il % 6 < 5;
     }
-    if (f.find_tensor(p + "attn_q.bias")) {
-      l.bq = vector_f32(f, p + "attn_q.bias", q_dim);
-      l.bk = vector_f32(f, p + "attn_k.bias", kv_dim);
-      l.bv = vector_f32(f, p + "attn_v.bias", kv_dim);
+    // Attention biases: where the file has them, or for a built-in Qwen2 (whose checkpoints do).
+    if (f ? f->find_tensor(p + "attn_q.bias") != nullptr : hp.arch == "qwen2") {
+      l.bq = src.vector(p + "attn_q.bias", q_dim);
+      l.bk = src.vector(p + "attn_k.bias", kv_dim);
+      l.bv = src.vector(p + "attn_v.bias", kv_dim);
     }
   }
   return m;
+}
+
+std::string model::chat_template() const {
+  return file_ ? file_->get_string("tokenizer.chat_template").value_or("") : std::string();
+}
+
+std::string model::default_chat_family() const {
+  if (hp_.arch == "gemma3") return "gemma";
+  return file_ ? "" : "chatml";
 }
 
 size_t model::weight_bytes_per_token() const {

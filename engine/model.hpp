@@ -1,5 +1,8 @@
 // A Llama-family model loaded from GGUF: hyper-parameters from the metadata, weights viewed in
-// place in the memory-mapped file (quantized blocks are never expanded), and the tokenizer.
+// place in the memory-mapped file (quantized blocks are never expanded), and the tokenizer. Or,
+// with load_options::dummy, the same shapes with random weights (vLLM's --load-format dummy), from a
+// file's metadata or a built-in architecture's configuration, so that throughput can be measured
+// without the weights.
 #pragma once
 
 #include <memory>
@@ -56,14 +59,45 @@ struct layer_weights {
   std::vector<kernels::weight_view> expert_gate, expert_up, expert_down;
 };
 
+/// How model::load gets the weights.
+struct load_options {
+  /// Random weights in place of the file's (vLLM's --load-format dummy). The shapes, tokenizer and
+  /// chat template come from the file's metadata (its tensors' shapes are checked, their data never
+  /// read); or `path` names a built-in architecture (synthetic_architectures()): its published
+  /// configuration, with a byte-level vocabulary of its size (ChatML's special tokens among them).
+  bool dummy = false;
+  uint64_t seed = 0;  // the random weights' seed: the same seed, the same weights
+  /// With dummy: the host holds the random weights (q8_0 matrices, f32 where a row is not whole
+  /// blocks), for the CPU forward. False for a device that generates its own from dummy_seed(): the
+  /// weight views keep their shapes, typed bf16, with no data.
+  bool host_weights = true;
+};
+
+/// The built-in architectures a dummy load accepts in place of a file: "llama-3-8b",
+/// "qwen2.5-7b", "smollm2-135m".
+const std::vector<std::string>& synthetic_architectures();
+/// The configuration of one of them (as its GGUF's metadata would give it). Throws
+/// std::invalid_argument naming the known ones.
+model_hparams synthetic_hparams(const std::string& arch);
+
 class model {
  public:
   /// Maps `path` and validates every tensor's type and shape against the metadata. Throws
-  /// gguf_error naming the file and, where one is at fault, the key or tensor.
-  static std::unique_ptr<model> load(const std::string& path);
+  /// gguf_error naming the file and, where one is at fault, the key or tensor; with o.dummy and a
+  /// path that is neither a file nor a built-in architecture, std::invalid_argument.
+  static std::unique_ptr<model> load(const std::string& path, const load_options& o = {});
 
   const model_hparams& hparams() const { return hp_; }
-  const gguf_file& file() const { return *file_; }
+  /// The file's tokenizer.chat_template, empty when it has none (or the model no file).
+  std::string chat_template() const;
+  /// The chat format to use when the model carries no template: "gemma" for Gemma 3 (whose GGUF
+  /// carries none), "chatml" for a built-in architecture; else empty.
+  std::string default_chat_family() const;
+  /// Random weights (load_options::dummy), and their seed.
+  bool dummy() const { return load_.dummy; }
+  uint64_t dummy_seed() const { return load_.seed; }
+  /// False for dummy weights left to a device to generate: the views have no data.
+  bool has_host_weights() const { return !load_.dummy || load_.host_weights; }
   const tokenizer& vocab() const { return *tok_; }
   const layer_weights& layer(int il) const { return layers_[(size_t)il]; }
   const kernels::weight_view& token_embd() const { return token_embd_; }
@@ -75,13 +109,14 @@ class model {
 
  private:
   model() = default;
-  std::unique_ptr<gguf_file> file_;
+  load_options load_;
+  std::unique_ptr<gguf_file> file_;  // null for a built-in architecture
   std::unique_ptr<tokenizer> tok_;
   model_hparams hp_;
   std::vector<layer_weights> layers_;
   kernels::weight_view token_embd_, output_;
   std::vector<float> output_norm_, rope_freqs_;
-  std::vector<std::unique_ptr<uint8_t[]>> owned_;  // weights repacked at load (q5_0 -> q8_0)
+  std::vector<std::unique_ptr<uint8_t[]>> owned_;  // weights repacked at load (q5_0 -> q8_0), or random
 };
 
 }  // namespace troupe::engine

@@ -7,7 +7,13 @@
 namespace troupe::cli {
 
 void add_engine_options(CLI::App& cmd, config::engine_config& c) {
-  cmd.add_option("-m,--model", c.model_path, "GGUF model file (default: the installed default model)");
+  cmd.add_option("-m,--model", c.model_path,
+                 "GGUF model file (default: the installed default model); with --load-format dummy also a built-in architecture: "
+                 "llama-3-8b, qwen2.5-7b, smollm2-135m");
+  cmd.add_option("--load-format", c.load_format,
+                 "auto: the file's weights; dummy: random weights of the model's shapes (no weights read), for throughput measurements")
+      ->capture_default_str();
+  cmd.add_option("--dummy-seed", c.dummy_seed, "seed of the random weights of --load-format dummy")->capture_default_str();
   cmd.add_option("-t,--threads", c.n_threads, "compute threads (0: one per available core)");
   cmd.add_option("-c,--ctx-size", c.n_ctx, "max positions per sequence (0: the model's trained context)");
   cmd.add_option("--kv-block-size", c.kv_block_size, "positions per paged KV block");
@@ -44,7 +50,8 @@ std::unique_ptr<engine::model> load_model(config::engine_config& c) {
   if (c.model_path.empty())
     throw std::runtime_error("no model given and the default model is not installed: run scripts/setup.sh or pass --model FILE");
   if (c.n_threads == 0) c.n_threads = config::default_threads();
-  return engine::model::load(c.model_path);
+  // A dummy model's random weights are made on the host for the CPU only: a CUDA device makes its own.
+  return engine::model::load(c.model_path, {c.load_format == "dummy", (uint64_t)c.dummy_seed, config::parse_device(c.device) < 0});
 }
 
 std::vector<int32_t> parse_token_list(const std::string& s) {

@@ -30,10 +30,14 @@ struct generate_opts {
 std::vector<engine::token_id> encode_chat(const engine::model& m, const std::vector<engine::chat_message>& msgs,
                                          const std::string& family) {
   const engine::tokenizer& tok = m.vocab();
-  const std::string src = m.file().get_string("tokenizer.chat_template").value_or("");
+  const std::string src = m.chat_template();
   const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : "";
   const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : "";
-  auto tmpl = family.empty() ? engine::chat_template::detect(src, bos, eos) : engine::chat_template::from_name(family, bos, eos);
+  // As troupe serve: a model without a template gets its architecture's format where known.
+  const std::string fallback = src.empty() ? m.default_chat_family() : "";
+  auto tmpl = !family.empty()     ? engine::chat_template::from_name(family, bos, eos)
+              : !fallback.empty() ? engine::chat_template::from_name(fallback, bos, eos)
+                                  : engine::chat_template::detect(src, bos, eos);
   if (!tmpl)
     throw std::runtime_error(family.empty() ? "the model's chat template is not one troupe recognizes: pass --chat-template chatml|llama3|gemma|mistral"
                                             : "unknown --chat-template '" + family + "' (chatml, llama3, gemma, mistral)");

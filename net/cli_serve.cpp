@@ -51,7 +51,7 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       field("--ws-max-message-bytes", &c::ws_max_message_bytes), field("--ws-max-queue-bytes", &c::ws_max_queue_bytes),
       field("--ws-send-timeout-s", &c::ws_send_timeout_s), field("--ws-max-generations", &c::ws_max_generations),
       field("--ws-idle-timeout-s", &c::ws_idle_timeout_s), field("--ws-send-buffer-bytes", &c::ws_send_buffer_bytes),
-      engine_field("--model", &e::model_path), engine_field("--threads", &e::n_threads), engine_field("--ctx-size", &e::n_ctx),
+      engine_field("--model", &e::model_path), engine_field("--load-format", &e::load_format), engine_field("--dummy-seed", &e::dummy_seed), engine_field("--threads", &e::n_threads), engine_field("--ctx-size", &e::n_ctx),
       engine_field("--kv-block-size", &e::kv_block_size), engine_field("--batch-size", &e::n_batch), engine_field("--device", &e::device), engine_field("--cuda-graphs", &e::cuda_graphs),
       engine_field("--cuda-fused-decode", &e::cuda_fused_decode), engine_field("--tensor-parallel", &e::tensor_parallel),
       engine_field("--pipeline-parallel", &e::pipeline_parallel), engine_field("--expert-parallel", &e::expert_parallel), engine_field("--swa-full", &e::swa_full), field("--kv-mb", &c::kv_mb),
@@ -118,6 +118,8 @@ int run_serve(serve_opts& o) {
 
   actors::engine_options eo;
   eo.model_path = ec.model_path;
+  eo.dummy_weights = ec.load_format == "dummy";
+  eo.dummy_seed = (uint64_t)ec.dummy_seed;
   eo.on_device_lost = [notice = http.device_loss](const std::string& why) { notice->notify(why); };
   eo.n_threads = ec.n_threads;
   eo.cuda_device = config::parse_device(ec.device);
@@ -168,12 +170,13 @@ int run_serve(serve_opts& o) {
                    "positions (--swa-full: every position); one sequence can reach %lld positions\n",
                    path.c_str(), (int)st.n_device_blocks, st.kv_groups.n, st.kv_groups.window, (long long)st.max_positions);
     api.max_n = max_n;
-    const std::string src = m.file().get_string("tokenizer.chat_template").value_or("");
+    const std::string src = m.chat_template();
     const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : "";
     const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : "";
     // A file without a template gets its architecture's format where that is known (Gemma 3's
-    // GGUF carries none); --chat-template overrides either.
-    const std::string arch_family = m.hparams().arch == "gemma3" ? "gemma" : "";
+    // GGUF carries none; a built-in architecture's vocabulary has ChatML's tokens); --chat-template
+    // overrides either.
+    const std::string arch_family = m.default_chat_family();
     if (!family.empty()) api.chat = engine::chat_template::from_name(family, bos, eos);
     else if (src.empty() && !arch_family.empty()) {
       api.chat = engine::chat_template::from_name(arch_family, bos, eos);

@@ -2,7 +2,8 @@
 # End to end on the GPU (gpu-check's e2e stage): the troupe binary built on the CPU machine, with
 # its request, scheduler and executor actors, the executor on the CUDA device.
 #   1. `troupe bench --concurrency 16` in process, --device cuda, then --device cpu (same model,
-#      same machine): tokens/s and latencies as `name value unit` lines;
+#      same machine): tokens/s and latencies as `name value unit` lines; then on the device at
+#      Llama-3-8B's shapes with random weights (--load-format dummy), 64 streams (e2e_cuda_llama8b_*);
 #   2. `--device cuda:7` refused at start with one line naming it;
 #   3. a GPU server and a CPU server over HTTP, compared by scripts/gpu_e2e_client.py (greedy
 #      prefixes, a seeded request sampled on the device twice, a logprobs request, two hot
@@ -24,22 +25,28 @@ fi
 "$troupe" --version || exit 3
 
 rc=0
-# bench JSON -> name value unit lines (e2e_{dev}_tokens_per_s, ...)
+# bench DEV [TAG ARGS...]: JSON -> name value unit lines (e2e_{dev}[_TAG]_tok_s, ...); ARGS replace
+# the model and the load (default: the model given, concurrency 16)
 bench() {
-  local dev=$1 line
-  line=$("$troupe" bench -m "$model" --device "$dev" --concurrency 16 --requests 64 --prompt-len 128 \
-    --gen-len 64 -t "$threads" --json) || { echo "e2e: bench --device $dev failed"; rc=1; return; }
-  echo "# bench $dev: $line"
-  python3 - "$dev" "$line" <<'EOF'
+  local dev=$1 tag=${2:-} line
+  local args=(-m "$model" --concurrency 16 --requests 64)
+  (($# > 2)) && args=("${@:3}")
+  line=$("$troupe" bench "${args[@]}" --device "$dev" --prompt-len 128 --gen-len 64 -t "$threads" --json) ||
+    { echo "e2e: bench --device $dev $tag failed"; rc=1; return; }
+  echo "# bench $dev $tag: $line"
+  python3 - "$dev" "$tag" "$line" <<'EOF'
 import json, sys
-dev, d = sys.argv[1], json.loads(sys.argv[2])
+dev, tag, d = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 for k, v in d.items():
     if isinstance(v, (int, float)) and not isinstance(v, bool):
-        print(f"e2e_{'cpu' if dev == 'cpu' else 'cuda'}_{k} {v}")
+        print(f"e2e_{'cpu' if dev == 'cpu' else 'cuda'}{'_' + tag if tag else ''}_{k} {v}")
 EOF
 }
 bench "$gpu"
 bench cpu
+# The serving runtime at Llama-3-8B's shapes: random bf16 weights generated on the device
+# (--load-format dummy), 64 streams at once.
+[[ $gpu == cuda ]] && bench "$gpu" llama8b -m llama-3-8b --load-format dummy --concurrency 64 --requests 128
 
 # A device index the machine lacks: refused at start with one line naming it.
 bad=$(timeout 60 "$troupe" serve -m "$model" --device cuda:7 --port 0 2>&1 | tail -1)

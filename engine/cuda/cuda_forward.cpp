@@ -47,7 +47,10 @@ struct cuda_forward::plan {
 };
 
 cuda_forward::cuda_forward(const model& m, const cuda_options& o)
-    : opt_(o), device_((select_device(o.device), o.device)), weights_(supported(m), o.weights, compute_.get()) {
+    : opt_(o),
+      device_((select_device(o.device), o.device)),
+      weights_(supported(m).dummy() ? device_weights(m.hparams(), m.dummy_seed(), compute_.get(), m.rope_freq_factors())
+                                    : device_weights(m, o.weights, compute_.get())) {
   setup();
 }
 

@@ -144,7 +144,9 @@ class cuda_forward {
  public:
   /// Uploads m's weights to o.device and allocates the KV cache and scratch. m must outlive the
   /// construction only (weights are copied). Throws cuda_error on a bad device index, short
-  /// memory (naming what was asked and what was free) or a failed launch.
+  /// memory (naming what was asked and what was free) or a failed launch. A dummy model
+  /// (load_options::dummy) gets random bf16 weights generated on the device from its seed, as
+  /// synthetic().
   cuda_forward(const model& m, const cuda_options& o);
   /// Random bf16 weights for a named architecture (synthetic_hparams), generated on the device.
   static std::unique_ptr<cuda_forward> synthetic(const std::string& arch, const cuda_options& o);

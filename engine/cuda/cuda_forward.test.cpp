@@ -446,6 +446,30 @@ TEST_CASE("CUDA forward: synthetic weights run and give finite logits", "[cuda]"
   CHECK_THROWS_AS(ec::cuda_forward::synthetic("gpt-5", small_options(4)), std::invalid_argument);
 }
 
+TEST_CASE("CUDA forward: a dummy model's weights are the synthetic ones of its seed, made on the device", "[cuda]") {
+  const auto path = source_dir() / "tests/fixtures/generated/llama_f32_hd64.gguf";
+  if (!std::filesystem::exists(path)) {
+    WARN("llama_f32_hd64.gguf missing: case skipped (scripts/gen_tiny_model.py --preset all)");
+    return;
+  }
+  auto dummy = model::load(path.string(), {.dummy = true, .seed = 11, .host_weights = false});
+  REQUIRE_FALSE(dummy->has_host_weights());  // nothing to upload: the device generates them
+  ec::cuda_options o = small_options(8);
+  ec::cuda_forward from_model(*dummy, o);
+  o.synthetic_seed = 11;
+  auto same = ec::cuda_forward::synthetic(dummy->hparams(), o);
+  o.synthetic_seed = 12;
+  auto other = ec::cuda_forward::synthetic(dummy->hparams(), o);
+  const std::vector<token_id> seq = {1, 7, 42, 99, 250, 3};
+  const std::vector<int32_t> table = {2};
+  seq_chunk c{seq, 0, table, true};
+  const std::vector<float> a = from_model.forward(std::span(&c, 1));
+  REQUIRE(a.size() == seq.size() * (size_t)dummy->hparams().n_vocab);
+  CHECK(std::all_of(a.begin(), a.end(), [](float v) { return std::isfinite(v); }));
+  CHECK(a == same->forward(std::span(&c, 1)));
+  CHECK(a != other->forward(std::span(&c, 1)));
+}
+
 TEST_CASE("CUDA forward: forward_sample greedy equals the argmax of the forward logits, row for row", "[cuda]") {
   // Gathered prefill rows (all, none and last-only chunks), then a decode of 5 sequences padded to
   // a bucket of 8 with a no-logits row: forward() runs each step eagerly (capturing the decode),

@@ -170,7 +170,8 @@ dev_matrix device_weights::random_matrix(int64_t n_out, int64_t n_in, float stdd
   return dev_matrix{n_out, n_in, w, nullptr, {}};
 }
 
-device_weights::device_weights(const model_hparams& hp, uint64_t seed, cudaStream_t stream) : hp_(hp) {
+device_weights::device_weights(const model_hparams& hp, uint64_t seed, cudaStream_t stream, const std::vector<float>& rope_freqs)
+    : hp_(hp) {
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim, kvd = (int64_t)hp.n_kv_heads * hp.head_dim;
   uint64_t next = seed;
   auto s = [&] { return next += 0x9e3779b97f4a7c15ULL; };
@@ -189,6 +190,7 @@ device_weights::device_weights(const model_hparams& hp, uint64_t seed, cudaStrea
   output_ = hp.tied_output ? dev_matrix{hp.n_vocab, d, token_embd_, nullptr, {}}
                            : random_matrix(hp.n_vocab, d, in_d, s(), stream, "the output head");
   output_norm_ = ones(d);
+  if (!rope_freqs.empty()) rope_freqs_ = upload_floats(rope_freqs, "the rope frequency factors", stream);
   layers_.resize((size_t)hp.n_layers);
   for (auto& L : layers_) {
     L.attn_norm = ones(d);
@@ -207,29 +209,6 @@ device_weights::device_weights(const model_hparams& hp, uint64_t seed, cudaStrea
   count_decode_bytes(output_);
   decode_bytes_ += small_bytes_per_token(hp_, hp.arch == "qwen2");
   wait_for(stream, weight_options{}.sync_timeout, "generating the weights");
-}
-
-model_hparams synthetic_hparams(const std::string& arch) {
-  model_hparams hp;
-  hp.name = arch;
-  if (arch == "llama-3-8b") {
-    hp.arch = "llama";
-    hp.n_layers = 32, hp.d_model = 4096, hp.n_heads = 32, hp.n_kv_heads = 8, hp.head_dim = 128;
-    hp.d_ff = 14336, hp.n_vocab = 128256, hp.n_ctx_train = 8192, hp.rope_base = 500000.0f;
-  } else if (arch == "qwen2.5-7b") {
-    hp.arch = "qwen2";
-    hp.n_layers = 28, hp.d_model = 3584, hp.n_heads = 28, hp.n_kv_heads = 4, hp.head_dim = 128;
-    hp.d_ff = 18944, hp.n_vocab = 152064, hp.n_ctx_train = 32768, hp.rope_base = 1000000.0f, hp.norm_eps = 1e-6f;
-    hp.rope = kernels::rope_style::neox;
-  } else if (arch == "smollm2-135m") {
-    hp.arch = "llama";
-    hp.n_layers = 30, hp.d_model = 576, hp.n_heads = 9, hp.n_kv_heads = 3, hp.head_dim = 64;
-    hp.d_ff = 1536, hp.n_vocab = 49152, hp.n_ctx_train = 8192, hp.rope_base = 100000.0f, hp.tied_output = true;
-  } else {
-    throw std::invalid_argument("unknown synthetic architecture '" + arch + "' (known: llama-3-8b, qwen2.5-7b, smollm2-135m)");
-  }
-  hp.n_rot = hp.head_dim;
-  return hp;
 }
 
 }  // namespace troupe::engine::cuda

@@ -58,8 +58,9 @@ class device_weights {
   /// Uploads m's weights (current device). Throws cuda_error when memory is short.
   device_weights(const model& m, const weight_options& o, cudaStream_t stream);
   /// Random bf16 weights generated on the device for hp's shapes: matrices uniform with standard
-  /// deviation 1/sqrt(n_in) (activations stay O(1) through any depth), norms 1, biases small.
-  device_weights(const model_hparams& hp, uint64_t seed, cudaStream_t stream);
+  /// deviation 1/sqrt(n_in) (activations stay O(1) through any depth), norms 1, biases small;
+  /// RoPE's frequency factors (configuration, not weights) as given.
+  device_weights(const model_hparams& hp, uint64_t seed, cudaStream_t stream, const std::vector<float>& rope_freqs = {});
 
   const model_hparams& hparams() const { return hp_; }
   const bf16* token_embd() const { return token_embd_; }  // [n_vocab, d]
@@ -97,9 +98,5 @@ class device_weights {
   size_t decode_bytes_ = 0;
   size_t device_bytes_ = 0;
 };
-
-/// Hyper-parameters of a named architecture for synthetic weights: "llama-3-8b", "qwen2.5-7b",
-/// "smollm2-135m". Throws std::invalid_argument naming the known ones.
-model_hparams synthetic_hparams(const std::string& arch);
 
 }  // namespace troupe::engine::cuda

@@ -266,7 +266,7 @@ void run(const args& a) {
   ec::select_device(a.device);
   cudaDeviceProp prop{};
   kc::check(cudaGetDeviceProperties(&prop, a.device), "cudaGetDeviceProperties");
-  model_hparams hp = ec::synthetic_hparams(a.arch);
+  model_hparams hp = synthetic_hparams(a.arch);
   for (auto [v, field] : {std::pair{a.layers, &hp.n_layers}, {a.vocab, &hp.n_vocab}, {a.d_model, &hp.d_model},
                           {a.heads, &hp.n_heads}, {a.kv_heads, &hp.n_kv_heads}, {a.d_ff, &hp.d_ff}})
     if (v > 0) *field = v;

@@ -45,6 +45,21 @@ def test_gpu_e2e_client_checks_pass_on_the_emulated_device():
             assert f"check {check} ok" in r.stdout, r.stdout
 
 
+def test_dummy_weights_are_generated_on_the_device_and_served():
+    # --load-format dummy with --device cuda: the host makes no weights (the model has shapes and a
+    # tokenizer only), the device generates bf16 ones from the seed (engine::cuda::device_weights).
+    with running_server("--model", str(MODEL), "--device", "cuda", "--load-format", "dummy", "--dummy-seed", "4",
+                        start_timeout=120) as (port, _):
+        body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        st, a = request(port, "POST", "/v1/completions", body)
+        assert st == 200, a
+        assert a["usage"]["completion_tokens"] == 6
+        st, b = request(port, "POST", "/v1/completions", body)
+        assert st == 200 and b["choices"][0]["text"] == a["choices"][0]["text"]
+        m = metrics(port)
+        assert m.get("troupe_device_lost", 0) == 0
+
+
 def test_a_device_index_the_emulation_lacks_is_refused_at_start():
     r = subprocess.run([TROUPE, "serve", "--model", str(MODEL), "--device", "cuda:7", "--port", "0"],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "TROUPE_CUDA_MODULE": str(MODULE)})
