@@ -222,7 +222,8 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
                      o.emulate_device_sampling, o.cuda_graphs, o.cuda_fused_decode, o.step_timeout_s};
   if (o.local_executor)
     p->supervisor = p->sys->spawn(supervisor_actor, p->scheduler, ec,
-                                  supervision{o.max_restarts, o.restart_window_s, o.step_timeout_s, o.executor_stop_timeout_s, o.on_device_lost});
+                                  supervision{o.max_restarts, o.restart_window_s, o.step_timeout_s, o.executor_stop_timeout_s, o.circuit_reset_s,
+                                              o.on_device_lost});
   auto h = std::unique_ptr<engine_handle>(new engine_handle(std::move(p)));  // stops the actors if we throw
   if (o.local_executor) {
     caf::scoped_actor self{*h->impl_->sys};

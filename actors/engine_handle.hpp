@@ -117,8 +117,11 @@ struct engine_options {
   scheduler_config sched;
   double step_timeout_s = 120;   // an executor step longer than this counts as a failure: it is told to stop ...
   double executor_stop_timeout_s = 10;  // ... and one that has not within this is wedged (as a lost device)
-  int max_restarts = 3;          // executor restarts within restart_window_s before giving up
+  int max_restarts = 3;          // executor restarts within restart_window_s before the circuit opens
   double restart_window_s = 60;
+  // The circuit opened on restarts is half opened this long after: a new executor is started, and
+  // the circuit closes once it is up (0: it stays open until a reload). Never after a lost device.
+  double circuit_reset_s = 30;
   // Called once, on an actor thread, when the executor's device is lost (a sticky CUDA error: the
   // process can never use the device again) or the executor is wedged (a step that neither
   // finished nor stopped: its thread cannot be reclaimed, and destroying this handle would wait

@@ -14,6 +14,9 @@
 //                                                           its device (a sticky CUDA error, a timeout)
 //   supervisor --[h] circuit(why, lost)-->      scheduler   too many restarts, or the device lost (no
 //                                                           restart can help): fail everything
+//   supervisor --probe-->                       supervisor  circuit_reset_s after the circuit opened on
+//                                                           restarts: a new executor (half open)
+//   supervisor --closed-->                      scheduler   that executor is up: take work again
 //   scheduler --[h] stuck(executor)-->          supervisor  a step failed or timed out: the executor is
 //                                                           told to stop; one that has not within
 //                                                           stop_timeout_s is wedged (the device lost)
@@ -67,6 +70,8 @@ using lost_atom = caf::atom_constant<caf::atom("lost")>;
 using stuck_atom = caf::atom_constant<caf::atom("stuck")>;
 using wedged_atom = caf::atom_constant<caf::atom("wedged")>;
 using hang_atom = caf::atom_constant<caf::atom("hang")>;
+using probe_atom = caf::atom_constant<caf::atom("probe")>;
+using closed_atom = caf::atom_constant<caf::atom("closed")>;
 
 /// How to sample one sequence's next token in a step. Sampling is stateless across steps: the
 /// draw uses seed mixed with the index of the token drawn, so a recomputed or restarted
@@ -149,6 +154,7 @@ struct supervision {
   double window_s = 60;
   double step_timeout_s = 120;  // for the wedged executor's message only (the scheduler times steps)
   double stop_timeout_s = 10;   // an executor told to stop that has not by then is wedged
+  double circuit_reset_s = 30;  // after the circuit opened on restarts, a new executor this much later; 0: never
   std::function<void(const std::string&)> on_device_lost;
 };
 

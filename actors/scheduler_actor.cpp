@@ -268,6 +268,13 @@ caf::behavior scheduler_actor(self_ptr self, scheduler_config_msg cfg) {
         if (device_lost) s.device_lost = why;
         fail_all(self, gen_error::unavailable, s.circuit_reason);
       },
+      [=](closed_atom) {  // a new executor is up after the circuit opened on restarts
+        auto& s = self->state;
+        if (!s.device_lost.empty()) return;
+        s.circuit_open = false;
+        s.circuit_reason.clear();
+        maybe_step(self);
+      },
       [=](hang_atom, double seconds) { self->state.hang_next_s = seconds; },
       [=](fault_atom, bool lose_device) {
         self->state.fault_next = true;

@@ -1,7 +1,11 @@
 // The supervisor: spawns the executor, monitors it, and restarts it when it dies, handing each
 // new one to the scheduler (which requeues the lost sequences for recompute). More than
 // max_restarts deaths within window_s open the circuit: the scheduler fails what it holds and
-// refuses new work, and readiness turns false.
+// refuses new work, and readiness turns false. circuit_reset_s later the circuit is half open: a
+// new executor is started (the scheduler still refuses work), and the circuit closes once it is
+// up. The deaths stay counted for their window, so one more failure soon after opens it again at
+// once (and the next probe follows circuit_reset_s later): a fault that persists costs one start
+// per circuit_reset_s, a passing one (memory another process held, a device reset) heals.
 //
 // Start: the first executor that cannot build its backend (weights, KV pools: out of memory, no
 // such device) is not restarted — the same configuration would fail the same way. Its error
@@ -38,6 +42,8 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
     caf::actor executor;
     std::deque<std::pair<std::chrono::steady_clock::time_point, std::string>> deaths;  // within the window
     bool ever_up = false;
+    bool half_open = false;  // an executor started after the circuit opened: it closes the circuit once up
+    bool given_up = false;   // the device lost or the executor wedged: nothing is ever tried again
     std::string start_error;  // the first executor's, when it never came up
     caf::actor_addr stopping;  // the executor the scheduler stopped for a failed or timed-out step
     std::vector<caf::response_promise> ready_waiters;
@@ -49,6 +55,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
   };
   // No restart can help: the circuit opens for good and the process is told.
   auto give_up = [=](const std::string& reason) {
+    st->given_up = true;
     self->send<caf::message_priority::high>(scheduler, circuit_atom::value, reason, true);
     if (sv.on_device_lost) sv.on_device_lost(reason);
   };
@@ -85,8 +92,14 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
       std::string reason = "its executor failed " + std::to_string(n) + " times in " + std::to_string((int)sv.window_s) + " s (";
       if (n > 1 && st->deaths.front().second != why) reason += "first: " + st->deaths.front().second + "; ";
       reason += "last: " + why + ")";
-      std::fprintf(stderr, "troupe: executor failed: %s; not restarted: the model is unavailable\n", why.c_str());
       self->send<caf::message_priority::high>(scheduler, circuit_atom::value, reason, false);
+      if (sv.circuit_reset_s > 0) {
+        std::fprintf(stderr, "troupe: executor failed: %s; not restarted: the model is unavailable; a new executor in %g s\n",
+                     why.c_str(), sv.circuit_reset_s);
+        self->delayed_send(self, std::chrono::milliseconds((int64_t)(sv.circuit_reset_s * 1000)), probe_atom::value);
+      } else {
+        std::fprintf(stderr, "troupe: executor failed: %s; not restarted: the model is unavailable\n", why.c_str());
+      }
       return;
     }
     std::fprintf(stderr, "troupe: executor failed: %s; restarting it (%d of %d restarts in %d s)\n", why.c_str(), n, sv.max_restarts,
@@ -127,6 +140,17 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
       [=](up_atom) {
         st->ever_up = true;
         answer_waiters();
+        if (st->half_open && st->executor && caf::actor_cast<caf::actor_addr>(self->current_sender()) == st->executor.address()) {
+          st->half_open = false;
+          std::fprintf(stderr, "troupe: a new executor is up: the circuit is closed, requests are served again\n");
+          self->send(scheduler, closed_atom::value);
+        }
+      },
+      [=](probe_atom) {
+        if (st->given_up || st->executor) return;
+        std::fprintf(stderr, "troupe: the circuit is half open: starting a new executor\n");
+        st->half_open = true;
+        spawn_executor();
       },
       [=](ready_atom) -> caf::result<bool> {
         if (st->ever_up) return true;

@@ -172,6 +172,7 @@ const std::vector<key_spec>& keys() {
       {"scheduler", "executor_stop_timeout_s", double_key(&server_config::executor_stop_timeout_s)},
       {"scheduler", "max_restarts", int_key(&server_config::max_restarts)},
       {"scheduler", "restart_window_s", double_key(&server_config::restart_window_s)},
+      {"scheduler", "circuit_reset_s", double_key(&server_config::circuit_reset_s)},
       {"replicas", "publish_port", int_key(&server_config::publish_port)},
       {"replicas", "publish_host", string_key(&server_config::publish_host)},
       {"replicas", "remote", string_list_key(&server_config::replicas)},
@@ -332,6 +333,8 @@ std::string validate(const server_config& c) {
     return range_error("scheduler.max_restarts", "--max-restarts", "in [0, 1000]", std::to_string(c.max_restarts));
   if (!(c.restart_window_s > 0) || !std::isfinite(c.restart_window_s))
     return range_error("scheduler.restart_window_s", "--restart-window-s", "> 0", num(c.restart_window_s));
+  if (!(c.circuit_reset_s >= 0) || !std::isfinite(c.circuit_reset_s))
+    return range_error("scheduler.circuit_reset_s", "--circuit-reset-s", ">= 0 (0: never)", num(c.circuit_reset_s));
   if (c.preemption != "swap" && c.preemption != "recompute")
     return range_error("scheduler.preemption", "--preemption", "\"swap\" or \"recompute\"", "\"" + c.preemption + "\"");
 
@@ -422,7 +425,8 @@ std::string describe(const server_config& c) {
     << "\nplan_ahead = " << (c.plan_ahead ? "true" : "false") << "\ntarget_itl_ms = " << num(c.target_itl_ms)
     << "\nitl_stretch = " << num(c.itl_stretch) << "\nmin_prefill_tokens = " << c.min_prefill_tokens
     << "\nstep_timeout_s = " << num(c.step_timeout_s) << "\nexecutor_stop_timeout_s = " << num(c.executor_stop_timeout_s)
-    << "\nmax_restarts = " << c.max_restarts << "\nrestart_window_s = " << num(c.restart_window_s) << "\n"
+    << "\nmax_restarts = " << c.max_restarts << "\nrestart_window_s = " << num(c.restart_window_s)
+    << "\ncircuit_reset_s = " << num(c.circuit_reset_s) << "\n"
     << "[auth]\n"
     << "api_keys = " << redacted(c.api_keys) << "\nadmin_api_keys = " << redacted(c.admin_api_keys) << "\n";
   return o.str();

@@ -87,6 +87,7 @@ struct server_config {
   double executor_stop_timeout_s = 10;  // ... and one that has not within this is wedged (the device lost)
   int64_t max_restarts = 3;           // executor restarts within restart_window_s before the circuit opens
   double restart_window_s = 60;
+  double circuit_reset_s = 30;        // after the circuit opened on restarts, a new executor this much later (0: never)
 
   // [auth]
   std::vector<std::string> api_keys;        // empty: the API is open

@@ -152,6 +152,7 @@ TEST_CASE("server_config: out-of-range values are named by validate()", "[config
       {"[scheduler]\nexecutor_stop_timeout_s = inf", "scheduler.executor_stop_timeout_s (--executor-stop-timeout-s)"},
       {"[scheduler]\nmax_restarts = -1", "scheduler.max_restarts (--max-restarts) must be in [0, 1000]"},
       {"[scheduler]\nrestart_window_s = 0", "scheduler.restart_window_s (--restart-window-s)"},
+      {"[scheduler]\ncircuit_reset_s = -1", "scheduler.circuit_reset_s (--circuit-reset-s) must be >= 0 (0: never)"},
       {"[engine]\nchat_template = \"jinja\"", "engine.chat_template (--chat-template)"},
       {"[engine]\nload_format = \"safetensors\"", "engine.load_format (--load-format) must be \"auto\" or \"dummy\""},
       {"[engine]\ndummy_seed = -1", "engine.dummy_seed (--dummy-seed) must be >= 0"},

@@ -61,7 +61,7 @@ const std::vector<std::pair<std::string, apply_fn>>& flag_fields() {
       field("--target-itl-ms", &c::target_itl_ms), field("--itl-stretch", &c::itl_stretch),
       field("--min-prefill-tokens", &c::min_prefill_tokens), field("--step-timeout-s", &c::step_timeout_s),
       field("--executor-stop-timeout-s", &c::executor_stop_timeout_s), field("--max-restarts", &c::max_restarts),
-      field("--restart-window-s", &c::restart_window_s), field("--reload-drain-timeout-s", &c::reload_drain_timeout_s),
+      field("--restart-window-s", &c::restart_window_s), field("--circuit-reset-s", &c::circuit_reset_s), field("--reload-drain-timeout-s", &c::reload_drain_timeout_s),
       field("--reload-warmup-timeout-s", &c::reload_warmup_timeout_s), field("--chat-template", &c::chat_template),
       field("--max-models", &c::max_models), field("--api-key", &c::api_keys), field("--admin-api-key", &c::admin_api_keys),
       field("--publish-port", &c::publish_port), field("--publish-host", &c::publish_host), field("--replica", &c::replicas),
@@ -145,6 +145,7 @@ int run_serve(serve_opts& o) {
   eo.executor_stop_timeout_s = c.executor_stop_timeout_s;
   eo.max_restarts = (int)c.max_restarts;
   eo.restart_window_s = c.restart_window_s;
+  eo.circuit_reset_s = c.circuit_reset_s;
   eo.sched.max_model_len = ec.n_ctx;  // 0: the engine's limit (trained context, KV pool)
 
   // One version of the served model; a reload builds the next one the same way, from its file.
@@ -285,6 +286,9 @@ action add_serve(CLI::App& app) {
                   "an executor told to stop (failed or timed-out step) that has not within this is wedged: handled as a lost device")->capture_default_str();
   cmd->add_option("--max-restarts", f.max_restarts, "executor restarts within --restart-window-s; one more failure opens the circuit (503)")->capture_default_str();
   cmd->add_option("--restart-window-s", f.restart_window_s, "the window --max-restarts counts in")->capture_default_str();
+  cmd->add_option("--circuit-reset-s", f.circuit_reset_s,
+                  "after the circuit opened on restarts, a new executor this much later; the circuit closes once it is up (0: never)")
+      ->capture_default_str();
   cmd->add_option("--max-body-bytes", f.max_body_bytes, "largest request body accepted (413 beyond)")->capture_default_str();
   cmd->add_option("--request-timeout-s", f.request_timeout_s, "deadline of one generation")->capture_default_str();
   cmd->add_option("--idle-timeout-s", f.idle_timeout_s, "reading one request, or waiting for the next on a kept-alive connection")->capture_default_str();

@@ -410,6 +410,53 @@ TEST_CASE("repeated executor faults open the circuit, refusals name the last err
   CHECK_THAT(o2.final.message, Catch::Contains("unavailable") && Catch::Contains("injected executor fault"));
 }
 
+TEST_CASE("an open circuit half opens after circuit_reset_s: a new executor serves again, a quick failure reopens it", "[actors][model][fault]") {
+  auto o = options();
+  o.max_restarts = 1;
+  o.circuit_reset_s = 1;
+  auto eng = actors::engine_handle::start(o);
+  const auto p = greedy(prompts[1], 8);
+  const auto ref = drain(*eng->submit(p));
+  REQUIRE(ref.final.type == actors::stream_event::kind::done);
+  auto wait_circuit = [&](bool open) {
+    const auto until = std::chrono::steady_clock::now() + 30s;
+    while (eng->stats().circuit_open != open && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(10ms);
+    return eng->stats().circuit_open == open;
+  };
+  auto fault_while_running = [&] {
+    auto s = eng->submit(greedy(prompts[0], 100));
+    REQUIRE(s->next(30s));
+    eng->inject_executor_fault();
+    drain(*s);  // recomputed on a restarted executor, or failed once the circuit opens
+  };
+  fault_while_running();
+  fault_while_running();  // two deaths within the window: the circuit opens
+  REQUIRE(wait_circuit(true));
+  const auto refused = drain(*eng->submit(greedy(prompts[2], 4)));
+  CHECK(refused.final.error == actors::gen_error::unavailable);
+  const int restarts = eng->stats().executor_restarts;
+
+  // A second later a new executor starts; once it is up the circuit closes, and the same
+  // request gives the same tokens.
+  REQUIRE(wait_circuit(false));
+  auto st = eng->stats();
+  CHECK(st.executor_alive);
+  CHECK(st.executor_restarts == restarts + 1);
+  CHECK(st.device_lost.empty());
+  const auto again = drain(*eng->submit(p));
+  REQUIRE(again.final.type == actors::stream_event::kind::done);
+  CHECK(again.tokens == ref.tokens);
+
+  // Those deaths are still within the window: the next failure opens the circuit at once (no
+  // restart), and it half opens again.
+  fault_while_running();
+  REQUIRE(wait_circuit(true));
+  CHECK(eng->stats().executor_restarts == restarts + 1);
+  REQUIRE(wait_circuit(false));
+  CHECK(drain(*eng->submit(p)).tokens == ref.tokens);
+  require_no_leak(*eng);
+}
+
 TEST_CASE("a lost device is not restarted: the circuit opens at the first failure and says why", "[actors][model][fault]") {
   // A sticky CUDA error (the executor's backend says its device is lost after the failure) leaves
   // nothing a restart could use: the requests in flight fail at once with the reason, later ones
