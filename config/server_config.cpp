@@ -79,6 +79,15 @@ auto string_key(std::string server_config::*field) {
   };
 }
 
+auto engine_string_key(std::string engine_config::*field) {
+  return [field](const toml::node& n, server_config& c) -> std::string {
+    const auto v = n.value_exact<std::string>();
+    if (!v) return "expected a string, got " + type_name(n);
+    c.engine.*field = *v;
+    return {};
+  };
+}
+
 auto bool_key(bool server_config::*field) {
   return [field](const toml::node& n, server_config& c) -> std::string {
     const auto v = n.value_exact<bool>();
@@ -125,20 +134,8 @@ const std::vector<key_spec>& keys() {
       {"reload", "drain_timeout_s", double_key(&server_config::reload_drain_timeout_s)},
       {"reload", "warmup_timeout_s", double_key(&server_config::reload_warmup_timeout_s)},
       {"reload", "max_models", int_key(&server_config::max_models)},
-      {"engine", "model",
-       [](const toml::node& n, server_config& c) -> std::string {
-         const auto v = n.value_exact<std::string>();
-         if (!v) return "expected a string, got " + type_name(n);
-         c.engine.model_path = *v;
-         return {};
-       }},
-      {"engine", "load_format",
-       [](const toml::node& n, server_config& c) -> std::string {
-         const auto v = n.value_exact<std::string>();
-         if (!v) return "expected a string, got " + type_name(n);
-         c.engine.load_format = *v;
-         return {};
-       }},
+      {"engine", "model", engine_string_key(&engine_config::model_path)},
+      {"engine", "load_format", engine_string_key(&engine_config::load_format)},
       {"engine", "dummy_seed", engine_int_key(&engine_config::dummy_seed)},
       {"engine", "threads", engine_int_key(&engine_config::n_threads)},
       {"engine", "ctx_size", engine_int_key(&engine_config::n_ctx)},
@@ -150,13 +147,7 @@ const std::vector<key_spec>& keys() {
       {"engine", "kv_mb", int_key(&server_config::kv_mb)},
       {"engine", "swa_full", engine_bool_key(&engine_config::swa_full)},
       {"engine", "chat_template", string_key(&server_config::chat_template)},
-      {"engine", "device",
-       [](const toml::node& n, server_config& c) -> std::string {
-         const auto v = n.value_exact<std::string>();
-         if (!v) return "expected a string, got " + type_name(n);
-         c.engine.device = *v;
-         return {};
-       }},
+      {"engine", "device", engine_string_key(&engine_config::device)},
       {"engine", "cuda_graphs", engine_bool_key(&engine_config::cuda_graphs)},
       {"engine", "cuda_fused_decode", engine_bool_key(&engine_config::cuda_fused_decode)},
       {"scheduler", "max_num_seqs", int_key(&server_config::max_num_seqs)},

@@ -97,15 +97,16 @@ class weight_source {
   weight_source(const gguf_file* f, const load_options& o, std::vector<std::unique_ptr<uint8_t[]>>& owned)
       : f_(f), o_(o), owned_(owned) {}
 
-  // stddev: of the random weights (uniform), 0 for 1/sqrt(n_in), which keeps activations O(1)
-  // through any depth.
-  kernels::weight_view matrix(const std::string& name, int64_t n_in, int64_t n_out, float stddev = 0) {
+  // Random weights are uniform with standard deviation 1/sqrt(n_in): activations stay O(1) through
+  // any depth, and the token embeddings (tied to the output head or not) are no larger than what
+  // the layers add, so the logits are a function of the context rather than of the last token.
+  kernels::weight_view matrix(const std::string& name, int64_t n_in, int64_t n_out) {
     if (!o_.dummy) return engine::matrix(*f_, name, n_in, n_out, owned_);
     if (f_) {
       const int64_t ne[2] = {n_in, n_out};
       f_->tensor(name, ne);
     }
-    return random(name, n_in, n_out, stddev);
+    return random(name, n_in, n_out);
   }
 
   std::vector<kernels::weight_view> matrices(const std::string& name, int64_t n_in, int64_t n_out, int64_t n_expert) {
@@ -115,7 +116,7 @@ class weight_source {
       f_->tensor(name, ne);
     }
     std::vector<kernels::weight_view> out;
-    for (int64_t e = 0; e < n_expert; ++e) out.push_back(random(name + "#" + std::to_string(e), n_in, n_out, 0));
+    for (int64_t e = 0; e < n_expert; ++e) out.push_back(random(name + "#" + std::to_string(e), n_in, n_out));
     return out;
   }
 
@@ -135,9 +136,8 @@ class weight_source {
   }
 
  private:
-  kernels::weight_view random(const std::string& name, int64_t n_in, int64_t n_out, float stddev) {
-    if (stddev == 0) stddev = 1.0f / std::sqrt((float)n_in);
-    const float a = stddev * std::sqrt(3.0f);  // uniform in [-a, a]
+  kernels::weight_view random(const std::string& name, int64_t n_in, int64_t n_out) {
+    const float a = std::sqrt(3.0f / (float)n_in);  // uniform in [-a, a]: standard deviation 1/sqrt(n_in)
     if (!o_.host_weights) return {kernels::dtype::bf16, nullptr, n_out, n_in, (size_t)n_in * 2};
     uint64_t st = o_.seed ^ name_hash(name);
     const int64_t n = n_in * n_out;
@@ -307,7 +307,7 @@ std::unique_ptr<model> model::load(const std::string& path, const load_options& 
   }
 
   const int64_t d = hp.d_model, q_dim = (int64_t)hp.n_heads * hp.head_dim, kv_dim = (int64_t)hp.n_kv_heads * hp.head_dim;
-  m->token_embd_ = src.matrix("token_embd.weight", d, hp.n_vocab, 1.0f);
+  m->token_embd_ = src.matrix("token_embd.weight", d, hp.n_vocab);
   m->output_ = hp.tied_output ? m->token_embd_ : src.matrix("output.weight", d, hp.n_vocab);
   m->output_norm_ = src.vector("output_norm.weight", d);
   // RoPE's frequency factors are configuration (Llama 3.1's scaling), not learned: from the file.

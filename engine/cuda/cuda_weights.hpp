@@ -57,8 +57,9 @@ class device_weights {
  public:
   /// Uploads m's weights (current device). Throws cuda_error when memory is short.
   device_weights(const model& m, const weight_options& o, cudaStream_t stream);
-  /// Random bf16 weights generated on the device for hp's shapes: matrices uniform with standard
-  /// deviation 1/sqrt(n_in) (activations stay O(1) through any depth), norms 1, biases small;
+  /// Random bf16 weights generated on the device for hp's shapes: matrices (embeddings included)
+  /// uniform with standard deviation 1/sqrt(n_in) (activations stay O(1) through any depth), norms 1,
+  /// biases small;
   /// RoPE's frequency factors (configuration, not weights) as given.
   device_weights(const model_hparams& hp, uint64_t seed, cudaStream_t stream, const std::vector<float>& rope_freqs = {});
 
