@@ -15,6 +15,7 @@ namespace {
 struct loaded_module {
   cuda_module_device_count_fn device_count = nullptr;
   cuda_module_open_fn open = nullptr;
+  cuda_module_copy_bandwidth_fn copy_bandwidth = nullptr;
   std::string error;  // why it could not be loaded (then the functions are null)
 };
 
@@ -43,9 +44,11 @@ const loaded_module& module() {
     const auto abi = (cuda_module_abi_fn)dlsym(h, "troupe_cuda_module_abi");
     m.device_count = (cuda_module_device_count_fn)dlsym(h, "troupe_cuda_module_device_count");
     m.open = (cuda_module_open_fn)dlsym(h, "troupe_cuda_module_open");
-    if (!abi || !m.device_count || !m.open || abi() != cuda_module_abi) {
+    m.copy_bandwidth = (cuda_module_copy_bandwidth_fn)dlsym(h, "troupe_cuda_module_copy_bandwidth");
+    if (!abi || !m.device_count || !m.open || !m.copy_bandwidth || abi() != cuda_module_abi) {
       m.device_count = nullptr;
       m.open = nullptr;
+      m.copy_bandwidth = nullptr;
       m.error = "the CUDA backend " + path + " is from another build (entry points or version differ): rebuild";
     }
   });
@@ -75,5 +78,7 @@ int cuda_device_count() { return loaded().device_count(); }
 std::unique_ptr<device_forward> open_cuda_forward(const model& m, const device_forward_options& o) {
   return std::unique_ptr<device_forward>(loaded().open(&m, &o));
 }
+
+double cuda_copy_bandwidth(int device, size_t bytes, int reps) { return loaded().copy_bandwidth(device, bytes, reps); }
 
 }  // namespace troupe::engine

@@ -66,14 +66,19 @@ int cuda_device_count();
 /// Uploads m's weights to o.device (a dummy model's are generated there) and allocates its KV pools; the module's errors (no such
 /// device, out of memory) propagate as thrown. Same load errors as cuda_device_count().
 std::unique_ptr<device_forward> open_cuda_forward(const model& m, const device_forward_options& o);
+/// Bytes per second a device-to-device copy of `bytes` moves on `device` (read plus write), the
+/// best of `reps` (engine::cuda::copy_bandwidth): a memory-bound step's roofline on that device.
+/// Same load errors as cuda_device_count(); the device's errors propagate as thrown.
+double cuda_copy_bandwidth(int device, size_t bytes, int reps);
 
 /// The module's entry points (C linkage, looked up by name; the version guards against a module
 /// from another build).
-inline constexpr int cuda_module_abi = 6;
+inline constexpr int cuda_module_abi = 7;
 extern "C" {
 using cuda_module_abi_fn = int (*)();
 using cuda_module_device_count_fn = int (*)();
 using cuda_module_open_fn = device_forward* (*)(const model* m, const device_forward_options* o);
+using cuda_module_copy_bandwidth_fn = double (*)(int device, size_t bytes, int reps);
 }
 
 }  // namespace troupe::engine

@@ -1,7 +1,10 @@
 // `troupe bench --concurrency N`: the serving runtime under a closed-loop load of N concurrent
 // streams through the in-process engine handle (actors, continuous batching): aggregate decode
 // tokens/s and TTFT / inter-token / end-to-end latency percentiles, next to the memory-bound
-// roofline of a step at the batch size reached.
+// roofline of a step at the batch size reached: on the CPU the weights as the file holds them over
+// the host's copy rate (and the int8 kernels' compute rate), on a CUDA device the weights as bf16
+// (what its GEMMs read above gemv_max_batch rows, and all a dummy model has) over the device's
+// copy rate, measured before the engine starts.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "actors/engine_handle.hpp"
+#include "engine/device_module.hpp"
 #include "engine/model.hpp"
 #include "kernels/matmul.hpp"
 #include "kernels/thread_pool.hpp"
@@ -93,7 +97,7 @@ int run_load_bench(const load_opts& o) {
   eo.tensor_parallel = ec.tensor_parallel;
   eo.expert_parallel = ec.expert_parallel;
   const int n_vocab = probe->vocab().n_vocab();
-  const size_t weight_bytes = probe->weight_bytes_per_token();
+  size_t weight_bytes = probe->weight_bytes_per_token();
   int64_t n_params = probe->output().n_in * probe->output().n_out;
   for (int il = 0; il < probe->hparams().n_layers; ++il) {
     const auto& l = probe->layer(il);
@@ -103,6 +107,10 @@ int run_load_bench(const load_opts& o) {
         n_params += probe->hparams().n_experts_used * w->n_in * w->n_out;
   }
   probe.reset();
+  const bool on_device = eo.cuda_device >= 0;
+  // The device's copy rate while its memory is still free: 1 GiB copies, best of 5.
+  const double device_bw = on_device ? engine::cuda_copy_bandwidth(eo.cuda_device, size_t{1} << 30, 5) / 1e9 : 0;
+  if (on_device) weight_bytes = (size_t)n_params * 2;
   auto eng = actors::engine_handle::start(eo);
 
   struct record {
@@ -158,24 +166,23 @@ int run_load_bench(const load_opts& o) {
     e2e.push_back(r.e2e * 1e3);
   }
   const auto st = eng->stats();
-  const double bw = copy_bandwidth_gbs();
+  const double bw = on_device ? device_bw : copy_bandwidth_gbs();
   // Step roofline at batch B = concurrency: memory-bound, one step reads every weight once
-  // whatever the batch (B tokens per weight_bytes / bandwidth); compute-bound, every token costs
-  // 2 multiply-adds per weight (output head included) at the kernels' measured rate.
+  // whatever the batch (B tokens per weight_bytes / bandwidth); compute-bound (CPU), every token
+  // costs 2 multiply-adds per weight (output head included) at the kernels' measured rate.
   const double mem_roof = (double)o.concurrency * bw * 1e9 / (double)weight_bytes;
   const double flop_per_tok = 2.0 * (double)n_params;
-  // The CPU kernels' rate; not measured for a dummy model a device holds (no host weights).
-  const double gflops = eng->model().has_host_weights() ? kernel_gflops(eng->model(), ec.n_threads) : 0;
+  const double gflops = on_device ? 0 : kernel_gflops(eng->model(), ec.n_threads);
   const double compute_roof = gflops * 1e9 / flop_per_tok;
   const double roof_tok_s = gflops > 0 ? std::min(mem_roof, compute_roof) : mem_roof;
   const double tok_s = (double)n_tok / wall;
   if (o.json) {
     std::printf("{\"concurrency\":%d,\"requests\":%d,\"ok\":%lld,\"prompt_len\":%d,\"gen_len\":%d,\"threads\":%d,"
-                "\"tok_s\":%.2f,\"req_s\":%.3f,\"ttft_p50_ms\":%.2f,\"ttft_p99_ms\":%.2f,\"itl_p50_ms\":%.2f,\"itl_p99_ms\":%.2f,"
+                "\"tok_s\":%.2f,\"req_s\":%.3f,\"copy_gbs\":%.1f,\"weight_gb\":%.3f,\"ttft_p50_ms\":%.2f,\"ttft_p99_ms\":%.2f,\"itl_p50_ms\":%.2f,\"itl_p99_ms\":%.2f,"
                 "\"e2e_p50_ms\":%.1f,\"e2e_p99_ms\":%.1f,\"roofline_tok_s\":%.1f,\"mem_roofline_tok_s\":%.1f,\"compute_roofline_tok_s\":%.1f,\"kernel_gflops\":%.1f,\"preemptions\":%lld,"
                 "\"steps\":%lld,\"steps_ahead\":%lld,\"admitted_ahead\":%lld,\"itl_capped_steps\":%lld,\"sched_us_per_step\":%.1f}\n",
-                o.concurrency, o.requests, (long long)n_ok, o.prompt_len, o.gen_len, ec.n_threads, tok_s, n_ok / wall,
-                pct(ttft, 50), pct(ttft, 99), pct(itl, 50), pct(itl, 99), pct(e2e, 50), pct(e2e, 99), roof_tok_s, mem_roof, compute_roof, gflops,
+                o.concurrency, o.requests, (long long)n_ok, o.prompt_len, o.gen_len, ec.n_threads, tok_s, n_ok / wall, bw,
+                (double)weight_bytes / 1e9, pct(ttft, 50), pct(ttft, 99), pct(itl, 50), pct(itl, 99), pct(e2e, 50), pct(e2e, 99), roof_tok_s, mem_roof, compute_roof, gflops,
                 (long long)(st.sched.n_preempted_swap + st.sched.n_preempted_recompute), (long long)st.n_steps,
                 (long long)st.n_steps_ahead, (long long)st.sched.n_admitted_ahead, (long long)st.sched.n_itl_capped, st.n_steps > 0 ? st.sched_s / (double)st.n_steps * 1e6 : 0.0);
   } else {
@@ -185,9 +192,9 @@ int run_load_bench(const load_opts& o) {
     if (gflops > 0)
       std::printf("roofline   %10.0f tok/s   at batch %d (memory %.0f: %.1f GB/s copy; compute %.0f: %.0f GFLOP/s kernels)\n",
                   roof_tok_s, o.concurrency, mem_roof, bw, compute_roof, gflops);
-    else  // a dummy model's weights a device made: the host holds none to time the kernels on
-      std::printf("roofline   %10.0f tok/s   at batch %d (memory: %.1f GB/s host copy; compute not measured)\n", roof_tok_s,
-                  o.concurrency, bw);
+    else
+      std::printf("roofline   %10.0f tok/s   at batch %d (memory: %.2f GB of bf16 weights a step / %.0f GB/s device copy)\n",
+                  roof_tok_s, o.concurrency, (double)weight_bytes / 1e9, bw);
     std::printf("TTFT ms    p50 %8.1f   p99 %8.1f\n", pct(ttft, 50), pct(ttft, 99));
     std::printf("ITL ms     p50 %8.2f   p99 %8.2f\n", pct(itl, 50), pct(itl, 99));
     std::printf("E2E ms     p50 %8.1f   p99 %8.1f\n", pct(e2e, 50), pct(e2e, 99));

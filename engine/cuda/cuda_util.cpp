@@ -1,5 +1,6 @@
 #include "engine/cuda/cuda_util.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <thread>
@@ -116,6 +117,23 @@ void wait_event(cudaEvent_t ev, std::chrono::milliseconds timeout, const char* w
     else
       std::this_thread::yield();
   }
+}
+
+double copy_bandwidth(size_t bytes, int reps, cudaStream_t s, std::chrono::milliseconds timeout) {
+  device_buffer a(bytes, "the copy benchmark's source"), b(bytes, "the copy benchmark's destination");
+  kc::check(cudaMemsetAsync(a.as<void>(), 1, bytes, s), "cudaMemsetAsync");
+  const event_handle start(true), stop(true);
+  double best = 0;
+  for (int i = 0; i <= reps; ++i) {  // the first a warm-up
+    kc::check(cudaEventRecord(start.get(), s), "cudaEventRecord");
+    kc::check(cudaMemcpyAsync(b.as<void>(), a.as<void>(), bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
+    kc::check(cudaEventRecord(stop.get(), s), "cudaEventRecord");
+    wait_event(stop.get(), timeout, "the copy benchmark");
+    float ms = 0;
+    kc::check(cudaEventElapsedTime(&ms, start.get(), stop.get()), "cudaEventElapsedTime");
+    if (i > 0 && ms > 0) best = std::max(best, 2.0 * (double)bytes / (ms / 1e3));
+  }
+  return best;
 }
 
 void sync_stream(cudaStream_t s, cudaEvent_t scratch_event, std::chrono::milliseconds timeout, const char* what) {

@@ -111,6 +111,11 @@ void wait_event(cudaEvent_t ev, std::chrono::milliseconds timeout, const char* w
 /// Records an event on `s` and waits for it as wait_event does.
 void sync_stream(cudaStream_t s, cudaEvent_t scratch_event, std::chrono::milliseconds timeout, const char* what);
 
+/// Bytes per second a device-to-device copy of `bytes` moves on the current device (read plus
+/// write counted), the best of `reps` after one warm-up, timed by events on `s`: the rate a
+/// memory-bound step is held to, a roofline's denominator. Each wait ends within `timeout`.
+double copy_bandwidth(size_t bytes, int reps, cudaStream_t s, std::chrono::milliseconds timeout);
+
 // ---- kernels (cuda_util.cu) ---------------------------------------------------------------------
 
 /// p[i] = bf16(amplitude * u_i), u_i uniform in [-1, 1) from a hash of (seed, i): the same seed

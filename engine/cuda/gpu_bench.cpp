@@ -97,19 +97,6 @@ double time_on_stream(cudaStream_t s, int warm, int n, Fn&& fn) {
   return ms / 1e3 / n;
 }
 
-// Bytes moved per second by a 2 GiB device-to-device copy (read + write), best of 5.
-double copy_bandwidth(cudaStream_t s) {
-  const size_t bytes = sz.stream_bytes;
-  ec::device_buffer a(bytes, "the copy benchmark source"), b(bytes, "the copy benchmark destination");
-  kc::check(cudaMemsetAsync(a.as<void>(), 1, bytes, s), "cudaMemset");
-  double best = 1e30;
-  for (int i = 0; i < 5; ++i)
-    best = std::min(best, time_on_stream(s, i == 0 ? 1 : 0, 1, [&] {
-      kc::check(cudaMemcpyAsync(b.as<void>(), a.as<void>(), bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpy");
-    }));
-  return 2.0 * (double)bytes / best;
-}
-
 // Bytes read per second by read_checksum over 2 GiB (streaming loads, nothing written), best of
 // 5 at each grid size of 1 to 16 CTAs of 256 threads per SM: the read rate the weight GEMVs of a
 // decode step could reach. Prints one line per grid size.
@@ -294,7 +281,7 @@ void run(const args& a) {
     line("decode_b" + std::to_string(a.decode_only) + "_step", decode_step_time(*f, a.decode_only, a) * 1e3, "ms");
     return;
   }
-  const double bw = copy_bandwidth(s);
+  const double bw = ec::copy_bandwidth(sz.stream_bytes, 5, s, wait_limit);  // 2 GiB copies (read + write), best of 5
   line("d2d_copy_bandwidth", bw / 1e9, "GB/s");
   try {  // first run on a device: a failure costs these lines only
     const double read_bw = read_bandwidth(s, a.device);

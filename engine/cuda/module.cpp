@@ -50,6 +50,12 @@ __attribute__((visibility("default"))) int troupe_cuda_module_abi() { return tro
 
 __attribute__((visibility("default"))) int troupe_cuda_module_device_count() { return troupe::kernels::cuda::device_count(); }
 
+__attribute__((visibility("default"))) double troupe_cuda_module_copy_bandwidth(int device, size_t bytes, int reps) {
+  troupe::engine::cuda::select_device(device);
+  const troupe::engine::cuda::stream_handle s;
+  return troupe::engine::cuda::copy_bandwidth(bytes, reps, s.get(), std::chrono::milliseconds(20000));
+}
+
 __attribute__((visibility("default"))) troupe::engine::device_forward* troupe_cuda_module_open(
     const troupe::engine::model* m, const troupe::engine::device_forward_options* o) {
   troupe::engine::cuda::cuda_options c;

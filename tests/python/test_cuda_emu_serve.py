@@ -9,6 +9,7 @@ emulated decode step).
 
 The first test is scripts/gpu_e2e_client.py, the same checks scripts/gpu-e2e.sh runs on a device.
 """
+import json
 import os
 import pathlib
 import signal
@@ -58,6 +59,27 @@ def test_dummy_weights_are_generated_on_the_device_and_served():
         assert st == 200 and b["choices"][0]["text"] == a["choices"][0]["text"]
         m = metrics(port)
         assert m.get("troupe_device_lost", 0) == 0
+
+
+def test_bench_on_the_device_draws_its_roofline_from_the_device():
+    # troupe bench --device cuda: the copy rate measured on the device (emulated here: host memory),
+    # and the bytes a step reads as bf16 - every matrix a token goes through, the output head
+    # (tied: the embeddings) included, counted here from the file with the gguf package.
+    gguf = pytest.importorskip("gguf")
+    out = subprocess.run([TROUPE, "bench", "--model", str(MODEL), "--load-format", "dummy", "--device", "cuda",
+                          "--concurrency", "2", "--requests", "2", "--prompt-len", "8", "--gen-len", "4", "-t", "2",
+                          "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["ok"] == 2
+    tensors = {t.name: int(t.n_elements) for t in gguf.GGUFReader(str(MODEL)).tensors}
+    params = sum(n for name, n in tensors.items() if name.startswith("blk.") and name.endswith(".weight")
+                 and "norm" not in name)
+    params += tensors.get("output.weight", tensors["token_embd.weight"])
+    assert r["weight_gb"] == pytest.approx(2 * params / 1e9, abs=1e-3)
+    assert r["copy_gbs"] > 0
+    assert r["roofline_tok_s"] == pytest.approx(2 * r["copy_gbs"] / r["weight_gb"], rel=0.01)
+    assert r["kernel_gflops"] == 0  # the CPU kernels are not what bounds a device step
 
 
 def test_a_device_index_the_emulation_lacks_is_refused_at_start():
