@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <stdexcept>
+#include <thread>
 
 #include "engine/unicode.hpp"
 #include "kernels/dequant.hpp"
@@ -84,6 +85,17 @@ uint64_t splitmix64(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
+// fn(begin, end) over [0, n) in contiguous parts on up to one thread per core (parts of at least
+// `grain`): drawing a large model's random weights on one thread takes seconds per GB.
+template <class Fn>
+void parallel_rows(int64_t n, int64_t grain, const Fn& fn) {
+  const int64_t parts = std::clamp<int64_t>(n / std::max<int64_t>(grain, 1), 1, std::max(1u, std::thread::hardware_concurrency()));
+  if (parts == 1) return fn(int64_t{0}, n);
+  std::vector<std::thread> threads;
+  for (int64_t p = 0; p < parts; ++p) threads.emplace_back([&fn, p, parts, n] { fn(n * p / parts, n * (p + 1) / parts); });
+  for (auto& t : threads) t.join();
+}
+
 uint64_t name_hash(const std::string& name) {  // FNV-1a: each tensor's random stream depends on its name only
   uint64_t h = 0xcbf29ce484222325ULL;
   for (unsigned char c : name) h = (h ^ c) * 0x100000001b3ULL;
@@ -98,8 +110,9 @@ class weight_source {
       : f_(f), o_(o), owned_(owned) {}
 
   // Random weights are uniform with standard deviation 1/sqrt(n_in): activations stay O(1) through
-  // any depth, and the token embeddings (tied to the output head or not) are no larger than what
-  // the layers add, so the logits are a function of the context rather than of the last token.
+  // any depth; the token embeddings too (trained models' are small; unit variance made a tied
+  // output head's logits large). The text a random model writes is noise, often one token repeated
+  // (deep random transformers map every context to nearly the same state): it measures speed only.
   kernels::weight_view matrix(const std::string& name, int64_t n_in, int64_t n_out) {
     if (!o_.dummy) return engine::matrix(*f_, name, n_in, n_out, owned_);
     if (f_) {
@@ -139,25 +152,37 @@ class weight_source {
   kernels::weight_view random(const std::string& name, int64_t n_in, int64_t n_out) {
     const float a = std::sqrt(3.0f / (float)n_in);  // uniform in [-a, a]: standard deviation 1/sqrt(n_in)
     if (!o_.host_weights) return {kernels::dtype::bf16, nullptr, n_out, n_in, (size_t)n_in * 2};
-    uint64_t st = o_.seed ^ name_hash(name);
-    const int64_t n = n_in * n_out;
+    const uint64_t base = o_.seed ^ name_hash(name);
+    auto row_state = [base](int64_t row) { return base + (uint64_t)row * 0xd1342543de82ef95ULL; };  // a stream per row
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 22) / n_in);  // rows of ~4M weights a thread at least
     if (n_in % 32 == 0) {  // q8_0: q uniform in [-127, 127], one scale a / 127
-      const int64_t n_blocks = n / 32;
-      owned_.push_back(std::make_unique<uint8_t[]>((size_t)n_blocks * sizeof(kernels::block_q8_0)));
+      const int64_t row_blocks = n_in / 32;
+      owned_.push_back(std::make_unique<uint8_t[]>((size_t)(row_blocks * n_out) * sizeof(kernels::block_q8_0)));
       auto* b = reinterpret_cast<kernels::block_q8_0*>(owned_.back().get());
       const kernels::fp16_t d = kernels::f32_to_fp16(a / 127.0f);
-      for (int64_t i = 0; i < n_blocks; ++i) {
-        b[i].d = d;
-        for (int j = 0; j < 32; j += 8) {
-          const uint64_t r = splitmix64(st);
-          for (int k = 0; k < 8; ++k) b[i].qs[j + k] = (int8_t)((int)(((r >> (8 * k)) & 0xff) * 255 >> 8) - 127);
+      parallel_rows(n_out, grain, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          uint64_t st = row_state(r);
+          for (int64_t i = r * row_blocks; i < (r + 1) * row_blocks; ++i) {
+            b[i].d = d;
+            for (int j = 0; j < 32; j += 8) {
+              const uint64_t x = splitmix64(st);
+              for (int k = 0; k < 8; ++k) b[i].qs[j + k] = (int8_t)((int)(((x >> (8 * k)) & 0xff) * 255 >> 8) - 127);
+            }
+          }
         }
-      }
-      return {kernels::dtype::q8_0, b, n_out, n_in, (size_t)(n_in / 32) * sizeof(kernels::block_q8_0)};
+      });
+      return {kernels::dtype::q8_0, b, n_out, n_in, (size_t)row_blocks * sizeof(kernels::block_q8_0)};
     }
-    owned_.push_back(std::make_unique<uint8_t[]>((size_t)n * sizeof(float)));
+    owned_.push_back(std::make_unique<uint8_t[]>((size_t)(n_in * n_out) * sizeof(float)));
     auto* w = reinterpret_cast<float*>(owned_.back().get());
-    for (int64_t i = 0; i < n; ++i) w[i] = ((float)(splitmix64(st) >> 40) / (float)(1 << 24) * 2.0f - 1.0f) * a;
+    parallel_rows(n_out, grain, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        uint64_t st = row_state(r);
+        for (int64_t i = r * n_in; i < (r + 1) * n_in; ++i)
+          w[i] = ((float)(splitmix64(st) >> 40) / (float)(1 << 24) * 2.0f - 1.0f) * a;
+      }
+    });
     return {kernels::dtype::f32, w, n_out, n_in, (size_t)n_in * sizeof(float)};
   }
 

@@ -186,8 +186,8 @@ device_weights::device_weights(const model_hparams& hp, uint64_t seed, cudaStrea
     return (const float*)p;
   };
   const float in_d = 1.0f / std::sqrt((float)d);
-  // As engine::model's dummy weights: embeddings no larger than what the layers add (tied to the
-  // output head, larger ones would make every logits row pick the last token).
+  // As engine::model's dummy weights: the embeddings at every matrix's scale (trained models'
+  // are small too), not of unit variance, which a tied output head turned into large logits.
   token_embd_ = random_matrix(hp.n_vocab, d, in_d, s(), stream, "the token embeddings").w;
   output_ = hp.tied_output ? dev_matrix{hp.n_vocab, d, token_embd_, nullptr, {}}
                            : random_matrix(hp.n_vocab, d, in_d, s(), stream, "the output head");
