@@ -124,6 +124,11 @@ extern cudaError_t sticky_error;
 uint64_t random_u64();
 /// Whether grid, block and smem make a valid launch; records cudaErrorInvalidConfiguration if not.
 bool launch_config_ok(dim3 grid, dim3 block, size_t smem);
+/// Refusal injection for the serving tests (runtime_emu.cpp): while the file TROUPE_EMU_REFUSE_FILE
+/// names exists, every kernel launch fails at once with cudaErrorLaunchOutOfResources and every
+/// cudaMalloc with cudaErrorMemoryAllocation, neither sticky (as while another process holds the
+/// device's memory): failures a restart cures once the file is gone.
+bool refusing();
 /// Puts work on the stream's queue (runtime_emu.cpp): the emulated device runs it in stream order,
 /// now or later; a capturing stream adds it to its graph. Returns the error the call reports.
 /// `kernel` says the work is a kernel (ours or cuBLASLt's): a programmatic launch after it may start
@@ -147,6 +152,10 @@ template <class... Params, class... Args>
 void launch_kernel(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                    Args&&... args) {
   if (!launch_config_ok(grid, block, smem)) return;
+  if (refusing()) {
+    last_error = cudaErrorLaunchOutOfResources;
+    return;
+  }
   auto params = std::make_shared<std::tuple<std::decay_t<Params>...>>(std::forward<Args>(args)...);
   auto k = std::make_shared<kernel_launch>();
   k->grid = grid, k->block = block, k->smem = smem, k->pdl = pdl;

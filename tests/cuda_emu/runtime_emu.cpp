@@ -125,6 +125,15 @@ cudaError_t fail(cudaError_t e) {
   return e;
 }
 
+}  // namespace
+
+bool refusing() {
+  static const char* const path = std::getenv("TROUPE_EMU_REFUSE_FILE");
+  return path && ::access(path, F_OK) == 0;
+}
+
+namespace {
+
 // The sticky error, if any, as the result of a call that succeeded otherwise.
 cudaError_t ok() { return sticky_error != cudaSuccess ? fail(sticky_error) : cudaSuccess; }
 
@@ -372,6 +381,7 @@ const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorLaunchOutOfResources: return "cudaErrorLaunchOutOfResources";
     case cudaErrorNotReady: return "cudaErrorNotReady";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
     case cudaErrorIllegalState: return "cudaErrorIllegalState";
@@ -390,6 +400,7 @@ const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
     case cudaErrorNotReady: return "device not ready";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     case cudaErrorIllegalState: return "the operation would make the legacy stream depend on a capturing blocking stream";
@@ -484,6 +495,7 @@ cudaError_t cudaMalloc(void** p, size_t n) {
   *p = nullptr;
   if (sticky_error != cudaSuccess) return fail(sticky_error);  // the context is lost
   if (const cudaError_t e = refuse_while_capturing("cudaMalloc")) return e;
+  if (refusing()) return fail(cudaErrorMemoryAllocation);
   const size_t bytes = (std::max<size_t>(n, 1) + 255) / 256 * 256;
   if (bytes > capacity() - dev().allocated) return fail(cudaErrorMemoryAllocation);
   *p = std::aligned_alloc(256, bytes);

@@ -229,6 +229,45 @@ def test_with_exit_on_device_loss_false_the_server_stays_up_unhealthy_and_refusi
         assert "its device is lost" in log and "restarting it" not in log, log
 
 
+def test_a_passing_failure_opens_the_circuit_which_half_opens_and_heals(tmp_path, monkeypatch):
+    """Launches and allocations refused while a file exists (TROUPE_EMU_REFUSE_FILE: not sticky, as
+    while another process holds the device's memory): the step fails, the restarted executor cannot
+    allocate its weights, and the circuit opens (503 naming both, /ready 503). Every
+    --circuit-reset-s a new executor is tried (half open): while the file is there it fails and the
+    circuit stays open; once it is gone the next one comes up, the circuit closes and the same
+    request gives the same text as before. The device is never given up."""
+    refuse = tmp_path / "refuse"
+    monkeypatch.setenv("TROUPE_EMU_REFUSE_FILE", str(refuse))
+    body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with running_server("--model", str(MODEL), "--device", "cuda", "--max-restarts", "1", "--circuit-reset-s", "2",
+                        start_timeout=120) as (port, proc):
+        st, before = request(port, "POST", "/v1/completions", body, timeout=600)
+        assert st == 200, before
+        refuse.touch()
+        st, failed = request(port, "POST", "/v1/completions", body, timeout=600)
+        assert st == 503, failed
+        message = failed["error"]["message"]
+        assert "unavailable" in message and "failed 2 times" in message, message
+        assert "too many resources requested for launch" in message and "out of device memory" in message, message
+        assert request(port, "GET", "/ready")[0] == 503
+        assert series(port, "troupe_circuit_open") == 1
+        time.sleep(5)  # two half-open tries meet the refusal: still open, the device not given up
+        assert request(port, "GET", "/ready")[0] == 503
+        assert series(port, "troupe_device_lost") == 0
+        refuse.unlink()
+        deadline = time.monotonic() + 120
+        while request(port, "GET", "/ready")[0] != 200:
+            assert time.monotonic() < deadline, "the circuit did not close once the refusal ended"
+            time.sleep(0.2)
+        assert series(port, "troupe_circuit_open") == 0
+        st, after = request(port, "POST", "/v1/completions", body, timeout=600)
+        assert st == 200, after
+        assert after["choices"][0]["text"] == before["choices"][0]["text"]
+    log = proc.stdout.read()
+    assert log.count("the circuit is half open") >= 2, log
+    assert "the circuit is closed" in log and "device is lost" not in log, log
+
+
 def test_a_hung_kernel_fails_the_request_within_the_step_timeout_and_stops_the_server(tmp_path, monkeypatch):
     """A kernel that never ends (the emulation's TROUPE_EMU_HANG_FILE: the first work enqueued after
     the test creates the file): the executor's wait for the step gives up at --step-timeout-s, and
