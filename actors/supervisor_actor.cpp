@@ -4,8 +4,9 @@
 // refuses new work, and readiness turns false. circuit_reset_s later the circuit is half open: a
 // new executor is started (the scheduler still refuses work), and the circuit closes once it is
 // up. The deaths stay counted for their window, so one more failure soon after opens it again at
-// once (and the next probe follows circuit_reset_s later): a fault that persists costs one start
-// per circuit_reset_s, a passing one (memory another process held, a device reset) heals.
+// once. Each half-open try that fails doubles the wait before the next (up to 16 x circuit_reset_s;
+// a start may upload gigabytes of weights), and a close sets it back: a fault that persists costs
+// a start every few minutes, a passing one (memory another process held, a device reset) heals.
 //
 // Start: the first executor that cannot build its backend (weights, KV pools: out of memory, no
 // such device) is not restarted — the same configuration would fail the same way. Its error
@@ -25,6 +26,7 @@
 // step_timeout_s, and tells the supervisor (stuck). A hung kernel or a deadlock keeps the
 // executor's thread inside the step, where no message reaches it; one that has not stopped
 // within stop_timeout_s is given up like a lost device (its thread and device cannot be had back).
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <deque>
@@ -43,12 +45,14 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
     std::deque<std::pair<std::chrono::steady_clock::time_point, std::string>> deaths;  // within the window
     bool ever_up = false;
     bool half_open = false;  // an executor started after the circuit opened: it closes the circuit once up
+    double reset_s = 0;      // the wait before the next half-open try
     bool given_up = false;   // the device lost or the executor wedged: nothing is ever tried again
     std::string start_error;  // the first executor's, when it never came up
     caf::actor_addr stopping;  // the executor the scheduler stopped for a failed or timed-out step
     std::vector<caf::response_promise> ready_waiters;
   };
   auto st = std::make_shared<state>();
+  st->reset_s = sv.circuit_reset_s;
   auto spawn_executor = [=] {
     st->executor = self->spawn<caf::detached + caf::monitored>(executor_actor, cfg, caf::actor{self});
     self->send(scheduler, executor_atom::value, st->executor);
@@ -94,9 +98,10 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
       reason += "last: " + why + ")";
       self->send<caf::message_priority::high>(scheduler, circuit_atom::value, reason, false);
       if (sv.circuit_reset_s > 0) {
+        if (st->half_open) st->reset_s = std::min(st->reset_s * 2, sv.circuit_reset_s * 16);  // a try that failed
         std::fprintf(stderr, "troupe: executor failed: %s; not restarted: the model is unavailable; a new executor in %g s\n",
-                     why.c_str(), sv.circuit_reset_s);
-        self->delayed_send(self, std::chrono::milliseconds((int64_t)(sv.circuit_reset_s * 1000)), probe_atom::value);
+                     why.c_str(), st->reset_s);
+        self->delayed_send(self, std::chrono::milliseconds((int64_t)(st->reset_s * 1000)), probe_atom::value);
       } else {
         std::fprintf(stderr, "troupe: executor failed: %s; not restarted: the model is unavailable\n", why.c_str());
       }
@@ -142,6 +147,7 @@ caf::behavior supervisor_actor(caf::event_based_actor* self, caf::actor schedule
         answer_waiters();
         if (st->half_open && st->executor && caf::actor_cast<caf::actor_addr>(self->current_sender()) == st->executor.address()) {
           st->half_open = false;
+          st->reset_s = sv.circuit_reset_s;
           std::fprintf(stderr, "troupe: a new executor is up: the circuit is closed, requests are served again\n");
           self->send(scheduler, closed_atom::value);
         }

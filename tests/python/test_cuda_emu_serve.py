@@ -232,10 +232,11 @@ def test_with_exit_on_device_loss_false_the_server_stays_up_unhealthy_and_refusi
 def test_a_passing_failure_opens_the_circuit_which_half_opens_and_heals(tmp_path, monkeypatch):
     """Launches and allocations refused while a file exists (TROUPE_EMU_REFUSE_FILE: not sticky, as
     while another process holds the device's memory): the step fails, the restarted executor cannot
-    allocate its weights, and the circuit opens (503 naming both, /ready 503). Every
-    --circuit-reset-s a new executor is tried (half open): while the file is there it fails and the
-    circuit stays open; once it is gone the next one comes up, the circuit closes and the same
-    request gives the same text as before. The device is never given up."""
+    allocate its weights, and the circuit opens (503 naming both, /ready 503). --circuit-reset-s
+    later a new executor is tried (half open): while the file is there it fails, the circuit stays
+    open and the next try waits twice as long; once the file is gone the next one comes up, the
+    circuit closes and the same request gives the same text as before. The device is never given
+    up."""
     refuse = tmp_path / "refuse"
     monkeypatch.setenv("TROUPE_EMU_REFUSE_FILE", str(refuse))
     body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -265,6 +266,7 @@ def test_a_passing_failure_opens_the_circuit_which_half_opens_and_heals(tmp_path
         assert after["choices"][0]["text"] == before["choices"][0]["text"]
     log = proc.stdout.read()
     assert log.count("the circuit is half open") >= 2, log
+    assert "a new executor in 2 s" in log and "a new executor in 4 s" in log, log  # a failed try doubles the wait
     assert "the circuit is closed" in log and "device is lost" not in log, log
 
 
