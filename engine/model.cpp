@@ -85,6 +85,9 @@ uint64_t splitmix64(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
+// Uniform in [-1, 1) from the top 24 bits of the next draw.
+float uniform(uint64_t& state) { return (float)(splitmix64(state) >> 40) / (float)(1 << 24) * 2.0f - 1.0f; }
+
 // fn(begin, end) over [0, n) in contiguous parts on up to one thread per core (parts of at least
 // `grain`): drawing a large model's random weights on one thread takes seconds per GB.
 template <class Fn>
@@ -115,19 +118,13 @@ class weight_source {
   // (deep random transformers map every context to nearly the same state): it measures speed only.
   kernels::weight_view matrix(const std::string& name, int64_t n_in, int64_t n_out) {
     if (!o_.dummy) return engine::matrix(*f_, name, n_in, n_out, owned_);
-    if (f_) {
-      const int64_t ne[2] = {n_in, n_out};
-      f_->tensor(name, ne);
-    }
+    check_shape(name, {n_in, n_out});
     return random(name, n_in, n_out);
   }
 
   std::vector<kernels::weight_view> matrices(const std::string& name, int64_t n_in, int64_t n_out, int64_t n_expert) {
     if (!o_.dummy) return engine::matrices(*f_, name, n_in, n_out, n_expert, owned_);
-    if (f_) {
-      const int64_t ne[3] = {n_in, n_out, n_expert};
-      f_->tensor(name, ne);
-    }
+    check_shape(name, {n_in, n_out, n_expert});
     std::vector<kernels::weight_view> out;
     for (int64_t e = 0; e < n_expert; ++e) out.push_back(random(name + "#" + std::to_string(e), n_in, n_out));
     return out;
@@ -136,19 +133,21 @@ class weight_source {
   // Random: norm weights 1, biases uniform in [-0.1, 0.1].
   std::vector<float> vector(const std::string& name, int64_t n) {
     if (!o_.dummy) return vector_f32(*f_, name, n);
-    if (f_) {
-      const int64_t ne[1] = {n};
-      f_->tensor(name, ne);
-    }
+    check_shape(name, {n});
     std::vector<float> v((size_t)n, 1.0f);
     if (name.ends_with(".bias")) {
       uint64_t st = o_.seed ^ name_hash(name);
-      for (float& x : v) x = ((float)(splitmix64(st) >> 40) / (float)(1 << 24) * 2.0f - 1.0f) * 0.1f;
+      for (float& x : v) x = uniform(st) * 0.1f;
     }
     return v;
   }
 
  private:
+  // The file's tensor has these dimensions (gguf_error naming it if not); nothing to check without a file.
+  void check_shape(const std::string& name, std::initializer_list<int64_t> ne) const {
+    if (f_) f_->tensor(name, std::span(ne.begin(), ne.size()));
+  }
+
   kernels::weight_view random(const std::string& name, int64_t n_in, int64_t n_out) {
     const float a = std::sqrt(3.0f / (float)n_in);  // uniform in [-a, a]: standard deviation 1/sqrt(n_in)
     if (!o_.host_weights) return {kernels::dtype::bf16, nullptr, n_out, n_in, (size_t)n_in * 2};
@@ -180,7 +179,7 @@ class weight_source {
       for (int64_t r = r0; r < r1; ++r) {
         uint64_t st = row_state(r);
         for (int64_t i = r * n_in; i < (r + 1) * n_in; ++i)
-          w[i] = ((float)(splitmix64(st) >> 40) / (float)(1 << 24) * 2.0f - 1.0f) * a;
+          w[i] = uniform(st) * a;
       }
     });
     return {kernels::dtype::f32, w, n_out, n_in, (size_t)n_in * sizeof(float)};

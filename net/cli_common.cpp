@@ -44,14 +44,15 @@ void add_sampling_options(CLI::App& cmd, engine::sampling_params& p) {
   cmd.add_option("--top-logprobs", p.top_logprobs, "report the n most likely alternatives per token");
 }
 
-std::unique_ptr<engine::model> load_model(config::engine_config& c) {
+std::unique_ptr<engine::model> load_model(config::engine_config& c, bool shapes_only) {
   if (auto err = config::validate(c); !err.empty()) throw std::runtime_error(err);
   if (c.model_path.empty()) c.model_path = config::default_model_path();
   if (c.model_path.empty())
     throw std::runtime_error("no model given and the default model is not installed: run scripts/setup.sh or pass --model FILE");
   if (c.n_threads == 0) c.n_threads = config::default_threads();
   // A dummy model's random weights are made on the host for the CPU only: a CUDA device makes its own.
-  return engine::model::load(c.model_path, {c.load_format == "dummy", (uint64_t)c.dummy_seed, config::parse_device(c.device) < 0});
+  return engine::model::load(c.model_path,
+                             {c.load_format == "dummy", (uint64_t)c.dummy_seed, !shapes_only && config::parse_device(c.device) < 0});
 }
 
 std::vector<int32_t> parse_token_list(const std::string& s) {

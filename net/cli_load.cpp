@@ -72,7 +72,9 @@ int run_load_bench(const load_opts& o) {
   if (o.concurrency < 1 || o.requests < 1 || o.prompt_len < 1 || o.gen_len < 1)
     throw std::runtime_error("--concurrency, --requests, --prompt-len and --gen-len must be >= 1");
   config::engine_config ec = o.engine;
-  auto probe = load_model(ec);  // validates the config, resolves the default model
+  // Validates the config, resolves the default model; its shapes size the KV pools (a dummy
+  // model's weights are drawn once, by the engine).
+  auto probe = load_model(ec, true);
   actors::engine_options eo;
   eo.model_path = ec.model_path;
   eo.dummy_weights = ec.load_format == "dummy";
@@ -96,22 +98,22 @@ int run_load_bench(const load_opts& o) {
   eo.sched.target_itl_ms = o.target_itl_ms;
   eo.tensor_parallel = ec.tensor_parallel;
   eo.expert_parallel = ec.expert_parallel;
-  const int n_vocab = probe->vocab().n_vocab();
-  size_t weight_bytes = probe->weight_bytes_per_token();
-  int64_t n_params = probe->output().n_in * probe->output().n_out;
-  for (int il = 0; il < probe->hparams().n_layers; ++il) {
-    const auto& l = probe->layer(il);
-    for (const auto* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) n_params += w->n_in * w->n_out;
-    if (!l.expert_gate.empty())  // the experts a token goes through
-      for (const auto* w : {&l.expert_gate[0], &l.expert_up[0], &l.expert_down[0]})
-        n_params += probe->hparams().n_experts_used * w->n_in * w->n_out;
-  }
   probe.reset();
   const bool on_device = eo.cuda_device >= 0;
   // The device's copy rate while its memory is still free: 1 GiB copies, best of 5.
   const double device_bw = on_device ? engine::cuda_copy_bandwidth(eo.cuda_device, size_t{1} << 30, 5) / 1e9 : 0;
-  if (on_device) weight_bytes = (size_t)n_params * 2;
   auto eng = actors::engine_handle::start(eo);
+  const engine::model& m = eng->model();
+  const int n_vocab = m.vocab().n_vocab();
+  int64_t n_params = m.output().n_in * m.output().n_out;
+  for (int il = 0; il < m.hparams().n_layers; ++il) {
+    const auto& l = m.layer(il);
+    for (const auto* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down}) n_params += w->n_in * w->n_out;
+    if (!l.expert_gate.empty())  // the experts a token goes through
+      for (const auto* w : {&l.expert_gate[0], &l.expert_up[0], &l.expert_down[0]})
+        n_params += m.hparams().n_experts_used * w->n_in * w->n_out;
+  }
+  const size_t weight_bytes = on_device ? (size_t)n_params * 2 : m.weight_bytes_per_token();
 
   struct record {
     double ttft = 0, e2e = 0;
@@ -172,7 +174,7 @@ int run_load_bench(const load_opts& o) {
   // costs 2 multiply-adds per weight (output head included) at the kernels' measured rate.
   const double mem_roof = (double)o.concurrency * bw * 1e9 / (double)weight_bytes;
   const double flop_per_tok = 2.0 * (double)n_params;
-  const double gflops = on_device ? 0 : kernel_gflops(eng->model(), ec.n_threads);
+  const double gflops = on_device ? 0 : kernel_gflops(m, ec.n_threads);
   const double compute_roof = gflops * 1e9 / flop_per_tok;
   const double roof_tok_s = gflops > 0 ? std::min(mem_roof, compute_roof) : mem_roof;
   const double tok_s = (double)n_tok / wall;
