@@ -9,7 +9,7 @@ seeded: the same arguments give the same bytes.
   gen_tiny_model.py OUT.gguf [--arch llama|qwen2] [--n-layer 2] [--d-model 64] [--n-head 4]
                     [--n-kv-head 2] [--head-dim 16] [--d-ff 96] [--vocab byte|N] [--ctx 256]
                     [--tied|--untied] [--qtype f32|f16|bf16|q8_0|q4_0|q4_1|q4_k|q5_k|q6_k]
-                    [--rope-dim N] [--embd-qtype TYPE] [--seed 0]
+                    [--rope-dim N] [--embd-qtype TYPE] [--mix k_m] [--seed 0]
   gen_tiny_model.py OUT.gguf --preset NAME      one preset (see --list)
   gen_tiny_model.py [OUTDIR] --preset all       every preset, as OUTDIR/NAME.gguf
                                                 (default OUTDIR: tests/fixtures/generated)
@@ -71,6 +71,9 @@ class ModelSpec:
     embd_qtype: str | None = None  # token_embd / output type; None: qtype
     n_expert: int = 0       # > 0: a Mixtral-style mixture of experts in every layer (llama arch)
     n_expert_used: int = 0  # experts per token
+    # "k_m": llama.cpp's Q4_K_M / Q5_K_M mix over qtype's layers: attn_v and ffn_down of every
+    # other layer (0, 2, ...) and an untied output head in q6_k, the rest in qtype
+    mix: str | None = None
 
     @property
     def embd_type(self) -> str:
@@ -88,6 +91,8 @@ class ModelSpec:
         need(self.n_head % self.n_kv_head == 0, "n_head must be a multiple of n_kv_head")
         need(self.n_expert == 0 or (self.arch == "llama" and 0 < self.n_expert_used <= self.n_expert),
              "a mixture of experts needs arch llama and 0 < n_expert_used <= n_expert")
+        need(self.mix in (None, "k_m"), "mix must be k_m or absent")
+        need(self.mix is None or self.qtype in ("q4_k", "q5_k"), "the k_m mix takes qtype q4_k or q5_k")
         need(self.head_dim % 2 == 0, "head_dim must be even (RoPE rotates pairs)")
         rope_dim = self.rope_dim if self.rope_dim is not None else self.head_dim
         need(0 < rope_dim <= self.head_dim and rope_dim % 2 == 0,
@@ -105,6 +110,14 @@ class ModelSpec:
     @property
     def n_vocab(self) -> int:
         return self.vocab if self.vocab is not None else len(byte_vocab()[0])
+
+    def tensor_qtype(self, tname: str) -> str:
+        """The type a weight matrix is written in."""
+        if self.mix == "k_m":
+            layer = int(tname.split(".")[1]) if tname.startswith("blk.") else -1
+            if tname == "output.weight" or (layer % 2 == 0 and tname.split(".")[2] in ("attn_v", "ffn_down")):
+                return "q6_k"
+        return self.embd_type if tname in ("token_embd.weight", "output.weight") else self.qtype
 
 
 def _spec(**kw) -> ModelSpec:
@@ -140,6 +153,8 @@ PRESETS: dict[str, tuple[ModelSpec, bool]] = {
     "llama_q4_k": (_spec(qtype="q4_k", **_KQ, seed=15), True),
     "llama_q5_k_untied": (_spec(qtype="q5_k", tied=False, **_KQ, seed=16), True),
     "llama_q6_k": (_spec(qtype="q6_k", **_KQ, seed=17), True),
+    # a Q4_K_M file's mix: q4_k layers with q6_k attn_v and ffn_down in layers 0 and 2, q6_k output
+    "llama_q4_k_m": (_spec(qtype="q4_k", mix="k_m", n_layer=3, tied=False, **_KQ, seed=19), True),
     # the default model's mix: q4_1 layers, q8_0 (tied) embeddings
     "llama_q4_1_embd_q8_0": (_spec(qtype="q4_1", embd_qtype="q8_0", seed=18), True),
     # Mixtral-style mixture of experts: 4 experts, 2 per token (router in F32, as llama.cpp writes it)
@@ -390,8 +405,7 @@ def write_model(spec: ModelSpec, path: str | Path, name: str | None = None) -> P
         elif tname.endswith("ffn_gate_inp.weight"):  # the router stays F32 (llama.cpp's converters too)
             wr.add_tensor(tname, w)
         else:
-            embd = tname in ("token_embd.weight", "output.weight")
-            qtype = QTYPES[spec.embd_type if embd else spec.qtype]
+            qtype = QTYPES[spec.tensor_qtype(tname)]
             rows = w.reshape(-1, w.shape[-1])  # an expert stack quantizes row by row like a matrix
             data = quantize(rows, qtype)
             data = data.reshape(*w.shape[:-1], data.shape[-1])
@@ -437,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qtype", choices=list(QTYPES), default=dflt.qtype)
     ap.add_argument("--embd-qtype", choices=list(QTYPES), default=None,
                     help="type of token_embd/output (default: --qtype)")
+    ap.add_argument("--mix", choices=["k_m"], default=None,
+                    help="k_m: llama.cpp's K_M mix (q6_k attn_v/ffn_down every other layer, q6_k output)")
     ap.add_argument("--seed", type=int, default=dflt.seed)
     a = ap.parse_args(argv)
 
@@ -461,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                              n_kv_head=a.n_kv_head, d_ff=a.d_ff,
                              head_dim=a.head_dim if a.head_dim else a.d_model // a.n_head,
                              vocab=a.vocab, ctx=a.ctx, tied=a.tied, qtype=a.qtype,
-                             rope_dim=a.rope_dim, seed=a.seed, embd_qtype=a.embd_qtype)
+                             rope_dim=a.rope_dim, seed=a.seed, embd_qtype=a.embd_qtype, mix=a.mix)
             paths = [write_model(spec, a.out)]
     except ValueError as e:
         print(f"gen_tiny_model: {e}", file=sys.stderr)

@@ -55,7 +55,9 @@ cuda_forward::cuda_forward(const model& m, const cuda_options& o)
 }
 
 cuda_forward::cuda_forward(synthetic_tag, const model_hparams& hp, const cuda_options& o)
-    : opt_(o), device_((select_device(o.device), o.device)), weights_(hp, o.synthetic_seed, compute_.get()) {
+    : opt_(o),
+      device_((select_device(o.device), o.device)),
+      weights_(hp, o.synthetic_seed, compute_.get(), {}, o.synthetic_weights, o.weights) {
   setup();
 }
 
@@ -379,12 +381,14 @@ bool cuda_forward::bf16_gemv(const dev_matrix& w, int rows) const {
          (l.bf16_gemv_max_bytes == 0 || (size_t)(w.n_out * w.n_in) * sizeof(bf16) <= l.bf16_gemv_max_bytes);
 }
 
+bool cuda_forward::quant_gemv(const dev_matrix& w, int rows) const { return !w.raw.empty() && rows <= gemv_max_batch; }
+
 bool cuda_forward::streamed_gemv(const dev_matrix& w, int rows) const {
   return opt_.launch.bf16_gemv_streamed && rows <= 2 && w.n_in % 256 == 0 && bf16_gemv(w, rows);
 }
 
 bool cuda_forward::plain_gemv(const dev_matrix& w, int rows) const {
-  return !(w.raw && rows <= gemv_max_batch) && bf16_gemv(w, rows) && !streamed_gemv(w, rows);
+  return !quant_gemv(w, rows) && bf16_gemv(w, rows) && !streamed_gemv(w, rows);
 }
 
 bool cuda_forward::fold_norm(int rows) const {
@@ -402,18 +406,23 @@ void cuda_forward::linear(const dev_matrix& w, const bf16* x, bf16* y, int rows,
   // Only gemv_bf16 carries a folded norm; fold_norm() admits a step only where it is the path.
   if ((norm.residual || norm.sumsq_in) && !plain_gemv(w, rows))
     throw std::logic_error("cuda_forward: a folded RMSNorm on a matrix that gemv_bf16 does not multiply");
-  if (w.raw && rows <= gemv_max_batch) {
-    kc::gemv_quant(w.qt, w.raw, w.n_out, w.n_in, x, y, rows, s);
+  if (quant_gemv(w, rows)) {
+    for (const raw_part& p : w.raw)
+      kc::gemv_quant(p.qt, p.raw, p.n_out, w.n_in, x, y + p.row0, rows, s, w.n_out, opt_.launch.quant_gemv_unroll);
   } else if (streamed_gemv(w, rows)) {
     kc::gemv_bf16_streamed(w.w, w.n_out, w.n_in, x, y, rows, s, opt_.launch.bf16_gemv_stream);
   } else if (bf16_gemv(w, rows)) {
     kc::gemv_bf16(w.w, w.n_out, w.n_in, x, y, rows, s, opt_.launch.bf16_gemv_prefetch_bytes, norm);
-  } else if (w.w) {
-    gemm_.run(x, w.w, y, gemm_out::bf16, rows, (int)w.n_out, (int)w.n_in, s);
   } else {
-    kc::dequant_to_bf16(w.qt, w.raw, w.n_out * w.n_in, expand_.as<bf16>(), s);
-    gemm_.run(x, expand_.as<bf16>(), y, gemm_out::bf16, rows, (int)w.n_out, (int)w.n_in, s);
+    gemm_.run(x, bf16_weights(w, s), y, gemm_out::bf16, rows, (int)w.n_out, (int)w.n_in, s);
   }
+}
+
+const bf16* cuda_forward::bf16_weights(const dev_matrix& w, cudaStream_t s) {
+  if (w.w) return w.w;
+  for (const raw_part& p : w.raw)
+    kc::dequant_to_bf16(p.qt, p.raw, p.n_out * w.n_in, expand_.as<bf16>() + p.row0 * w.n_in, s);
+  return expand_.as<bf16>();
 }
 
 void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
@@ -515,7 +524,13 @@ void cuda_forward::output_rows(const plan& p, int first, int count, cudaStream_t
     rows = out_rows_.as<bf16>();
   }
   const dev_matrix& w = weights_.output();
-  gemm_.run(rows, w.w, logits_dev_.as<float>(), gemm_out::f32, count, (int)w.n_out, (int)w.n_in, s);
+  float* logits = logits_dev_.as<float>();
+  if (quant_gemv(w, count)) {
+    for (const raw_part& q : w.raw)
+      kc::gemv_quant_f32(q.qt, q.raw, q.n_out, w.n_in, rows, logits + q.row0, count, s, w.n_out, opt_.launch.quant_gemv_unroll);
+  } else {
+    gemm_.run(rows, bf16_weights(w, s), logits, gemm_out::f32, count, (int)w.n_out, (int)w.n_in, s);
+  }
 }
 
 cudaGraphExec_t cuda_forward::capture(const plan& p, cudaStream_t s) {

@@ -101,6 +101,10 @@ struct launch_options {
   /// 0: sleep from the first millisecond, as before this option (troupe_gpu_bench's
   /// decode_b1_sleep_wait_* measures that).
   std::chrono::milliseconds step_spin{50};
+  /// Units of 8 quantized weights each lane of gemv_quant loads before decoding the first (1, 4
+  /// or 8; the same results): more of HBM's latency covered at batch 1, more registers. Prepared
+  /// without a device (docs/perf.md §4b): 1 until measured (troupe_gpu_bench decode_q4_k_m_*_unroll*).
+  int quant_gemv_unroll = 1;
 };
 
 /// l with every fused decode launch on: gemv_swiglu, gemv_rope, attention_last_cta_merge and
@@ -138,6 +142,8 @@ struct cuda_options {
   std::chrono::milliseconds sync_timeout{120000};
   /// Seed of synthetic weights.
   uint64_t synthetic_seed = 1;
+  /// Layer weights of synthetic(): bf16, or random quantized blocks (held as `weights` says).
+  synthetic_quant synthetic_weights = synthetic_quant::none;
 };
 
 class cuda_forward {
@@ -220,6 +226,10 @@ class cuda_forward {
   /// y = x w^T through gemv_quant, gemv_bf16(_streamed) or cuBLASLt; `norm` (a folded RMSNorm
   /// reader or writer) only where gemv_bf16 is the path (plain_gemv).
   void linear(const dev_matrix& w, const bf16* x, bf16* y, int rows, cudaStream_t s, const kc::gemv_norm& norm = {});
+  /// w's bf16 copy, or its blocks expanded into the scratch (stream order: valid until the next call).
+  const bf16* bf16_weights(const dev_matrix& w, cudaStream_t s);
+  /// Whether linear() multiplies w for a step of `rows` rows with gemv_quant, part by part.
+  bool quant_gemv(const dev_matrix& w, int rows) const;
   /// Whether linear() multiplies w for a step of `rows` rows with gemv_bf16 (or, streamed_gemv,
   /// gemv_bf16_streamed) rather than cuBLASLt; quantized matrices kept raw take gemv_quant first.
   bool bf16_gemv(const dev_matrix& w, int rows) const;

@@ -151,7 +151,7 @@ TEST_CASE("CUDA forward: RMSNorm folded into the GEMVs (with the fused launches)
 }
 
 TEST_CASE("CUDA forward: generated models (quantized GEMV decode, qwen2 biases and neox rope, f32)", "[cuda]") {
-  for (const char* name : {"llama_q4_k", "qwen2_q6_k_gqa4", "llama_f32_hd64", "llama_q4_k_bf16", "llama_q4_k_bf16_gemv",
+  for (const char* name : {"llama_q4_k", "qwen2_q6_k_gqa4", "llama_q4_k_m", "llama_f32_hd64", "llama_q4_k_bf16", "llama_q4_k_bf16_gemv",
                            "llama_q4_k_bf16_gemv_split", "llama_q4_k_bf16_gemv_streamed", "llama_q4_k_bf16_gemv_fused",
                            "llama_q4_k_bf16_gemv_fold", "llama_q4_k_bf16_gemv_fold_fused", "qwen2_q6_k_gqa4_bf16_gemv_fold_fused"}) {
     const std::string file = std::string(name).substr(0, std::string(name).find("_bf16"));  // "_bf16...": variants
@@ -178,6 +178,49 @@ TEST_CASE("CUDA forward: quantized weights kept raw only still run batches above
   ec::cuda_options o = small_options(64);
   o.weights.expand_quant = false;
   compare_with_cpu(*m, o, 5e-2);
+}
+
+TEST_CASE("CUDA forward: a Q4_K_M mix (q4_k layers, q6_k V and down in some) decodes from the file's blocks", "[cuda]") {
+  const auto m = load_model("tests/fixtures/generated/llama_q4_k_m.gguf");
+  if (!m) return;
+  REQUIRE(m->layer(0).wv.type != m->layer(0).wq.type);  // a fused Q|K|V of two types
+  REQUIRE(m->layer(0).w_down.type != m->layer(1).w_down.type);
+  // Every layer matrix and the head kept as blocks: the bytes a batch-1 step reads fall from the
+  // bf16 mode's by exactly their bf16 size less their size in the file.
+  const troupe::kernels::weight_view& head = m->output();  // q6_k: read as blocks by one-row steps too
+  size_t file_bytes = head.row_stride * (size_t)head.n_out, bf16_bytes = (size_t)(head.n_out * head.n_in) * 2;
+  for (int il = 0; il < m->hparams().n_layers; ++il) {
+    const layer_weights& L = m->layer(il);
+    for (const auto* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) {
+      file_bytes += w->row_stride * (size_t)w->n_out;
+      bf16_bytes += (size_t)(w->n_out * w->n_in) * 2;
+    }
+  }
+  ec::cuda_options quant = small_options(64), bf16 = quant;
+  bf16.weights.mode = ec::weights_mode::bf16;
+  const size_t q = ec::cuda_forward(*m, quant).decode_bytes_per_token();
+  const size_t b = ec::cuda_forward(*m, bf16).decode_bytes_per_token();
+  CHECK(b - q == bf16_bytes - file_bytes);
+  SECTION("blocks only: steps above the GEMV limit expand them part by part") {
+    quant.weights.expand_quant = false;
+    compare_with_cpu(*m, quant, 5e-2);
+  }
+  SECTION("4 or 8 units' loads in flight a lane: the same logits bit for bit") {
+    const std::vector<token_id> seq = {3, 77, 41, 200, 9};
+    const std::vector<int32_t> table = {0};
+    seq_chunk prefill{std::span(seq).first(4), 0, table, false};
+    const token_id last[1] = {seq.back()};
+    seq_chunk step{last, 4, table, false};
+    std::vector<std::vector<float>> logits;
+    for (const int unroll : {1, 4, 8}) {
+      quant.launch.quant_gemv_unroll = unroll;
+      ec::cuda_forward f(*m, quant);
+      f.forward(std::span(&prefill, 1));
+      logits.push_back(f.forward(std::span(&step, 1)));  // one row: gemv_quant, the head's too
+    }
+    CHECK(logits[1] == logits[0]);
+    CHECK(logits[2] == logits[0]);
+  }
 }
 
 TEST_CASE("CUDA forward: greedy continuation of 24 tokens matches the CPU", "[cuda]") {
@@ -444,6 +487,53 @@ TEST_CASE("CUDA forward: synthetic weights run and give finite logits", "[cuda]"
     ++sp.draw;
   }
   CHECK_THROWS_AS(ec::cuda_forward::synthetic("gpt-5", small_options(4)), std::invalid_argument);
+}
+
+TEST_CASE("CUDA forward: synthetic quantized weights (Q4_K_M's mix, q8_0) decode from their blocks as their expansion does", "[cuda]") {
+  model_hparams hp = synthetic_hparams("llama-3-8b");  // cut: rows of 512 and 1024, 512 tokens
+  hp.n_layers = 2, hp.d_model = 512, hp.n_heads = 4, hp.n_kv_heads = 2, hp.d_ff = 1024, hp.n_vocab = 512;
+  const int64_t d = hp.d_model, qd = hp.n_heads * hp.head_dim, kvd = hp.n_kv_heads * hp.head_dim, ff = hp.d_ff;
+  ec::cuda_options o = small_options(8);
+  const size_t bf16_bytes = ec::cuda_forward::synthetic(hp, o)->decode_bytes_per_token();
+  for (const auto q : {ec::synthetic_quant::q4_k_m, ec::synthetic_quant::q8_0}) {
+    INFO((q == ec::synthetic_quant::q4_k_m ? "q4_k_m" : "q8_0"));
+    o.synthetic_weights = q;
+    auto f = ec::cuda_forward::synthetic(hp, o);
+    // Every layer matrix and the head held as blocks: the bytes a batch-1 step reads fall from the
+    // bf16 model's by their bf16 size less their blocks' (layer 0: V and down in q6_k under
+    // Q4_K_M, and the head).
+    size_t blocks = kc::quant_row_bytes(q == ec::synthetic_quant::q8_0 ? kc::quant_type::q8_0 : kc::quant_type::q6_k, d) *
+                    (size_t)hp.n_vocab;
+    for (int il = 0; il < hp.n_layers; ++il) {
+      const auto base = q == ec::synthetic_quant::q8_0 ? kc::quant_type::q8_0 : kc::quant_type::q4_k;
+      const auto more = q == ec::synthetic_quant::q4_k_m && il % 2 == 0 ? kc::quant_type::q6_k : base;
+      blocks += kc::quant_row_bytes(base, d) * (size_t)(qd + kvd + 2 * ff) + kc::quant_row_bytes(more, d) * (size_t)kvd +
+                kc::quant_row_bytes(base, qd) * (size_t)d + kc::quant_row_bytes(more, ff) * (size_t)d;
+    }
+    const size_t matrices_bf16 =
+        (size_t)hp.n_layers * (size_t)(d * (qd + 2 * kvd) + qd * d + 2 * ff * d + ff * d) * 2 + (size_t)(hp.n_vocab * d) * 2;
+    CHECK(bf16_bytes - f->decode_bytes_per_token() == matrices_bf16 - blocks);
+    // Position 11's logits: from a 12-token prefill (cuBLASLt over the bf16 expansion), and from an
+    // 11-token prefill then a one-token decode step (gemv_quant over the blocks).
+    const int n_vocab = hp.n_vocab;
+    std::vector<token_id> seq(12);
+    for (size_t i = 0; i < seq.size(); ++i) seq[i] = (token_id)((37 * i + 5) % (size_t)n_vocab);
+    const std::vector<int32_t> ta = {1}, tb = {2};
+    seq_chunk whole{seq, 0, ta, false};
+    const std::vector<float> a = f->forward(std::span(&whole, 1));
+    REQUIRE(a.size() == (size_t)n_vocab);
+    CHECK(std::all_of(a.begin(), a.end(), [](float v) { return std::isfinite(v); }));
+    const std::vector<token_id> head(seq.begin(), seq.end() - 1);
+    seq_chunk first{head, 0, tb, false};
+    f->forward(std::span(&first, 1));
+    const token_id last[1] = {seq.back()};
+    seq_chunk step{last, (int64_t)head.size(), tb, false};
+    const std::vector<float> b = f->forward(std::span(&step, 1));
+    REQUIRE(b.size() == (size_t)n_vocab);
+    CHECK(row_error(b.data(), a.data(), n_vocab) <= 5e-2);
+  }
+  o.synthetic_weights = ec::synthetic_quant::q4_k_m;  // smollm2's d_model 576 is not whole q4_k blocks
+  CHECK_THROWS_AS(ec::cuda_forward::synthetic("smollm2-135m", o), std::invalid_argument);
 }
 
 TEST_CASE("CUDA forward: a dummy model's weights are the synthetic ones of its seed, made on the device", "[cuda]") {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 
@@ -20,6 +21,8 @@ std::optional<kc::quant_type> gemv_type(dtype t) {
     case dtype::q4_0: return kc::quant_type::q4_0;
     case dtype::q4_1: return kc::quant_type::q4_1;
     case dtype::q4_k: return kc::quant_type::q4_k;
+    case dtype::q5_k: return kc::quant_type::q5_k;
+    case dtype::q6_k: return kc::quant_type::q6_k;
     default: return std::nullopt;
   }
 }
@@ -30,7 +33,7 @@ void wait_for(cudaStream_t stream, std::chrono::milliseconds timeout, const char
   sync_stream(stream, ev.get(), timeout, what);
 }
 
-size_t raw_bytes(const kernels::weight_view& w) { return w.row_stride * (size_t)w.n_out; }
+size_t align_up(size_t n) { return (n + 255) & ~size_t{255}; }
 
 // Bytes a batch-1 step reads beside the matrices: its one embedding row (bf16), the norm weights
 // and the q/k/v biases (fp32).
@@ -56,55 +59,69 @@ const float* device_weights::upload_floats(const std::vector<float>& v, const ch
   return p;
 }
 
+dev_matrix device_weights::raw_matrix(int64_t n_in, const std::vector<raw_spec>& parts, const weight_options& o,
+                                      cudaStream_t stream, const char* what,
+                                      const std::function<void(size_t, uint8_t*, size_t)>& fill, bool bf16_elsewhere) {
+  dev_matrix m;
+  m.n_in = n_in;
+  size_t total = 0;  // each part's blocks start 256-byte aligned
+  for (const raw_spec& p : parts) {
+    m.n_out += p.n_out;
+    total += align_up(kc::quant_row_bytes(p.qt, n_in) * (size_t)p.n_out);
+  }
+  const bool keep_raw = o.mode == weights_mode::quant_gemv_small_batch || bf16_elsewhere;
+  device_buffer temp;
+  uint8_t* raw = nullptr;
+  if (keep_raw) {
+    raw = alloc<uint8_t>((int64_t)total, what);
+  } else {
+    temp = device_buffer(total, what);
+    raw = temp.as<uint8_t>();
+  }
+  std::vector<raw_part> placed;
+  size_t off = 0;
+  int64_t row0 = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const size_t bytes = kc::quant_row_bytes(parts[i].qt, n_in) * (size_t)parts[i].n_out;
+    fill(i, raw + off, bytes);
+    placed.push_back(raw_part{row0, parts[i].n_out, parts[i].qt, raw + off, bytes});
+    off += align_up(bytes);
+    row0 += parts[i].n_out;
+  }
+  if (!bf16_elsewhere && (!keep_raw || o.expand_quant)) {
+    bf16* w = alloc<bf16>(m.n_out * n_in, what);
+    for (const raw_part& p : placed) kc::dequant_to_bf16(p.qt, p.raw, p.n_out * n_in, w + p.row0 * n_in, stream);
+    m.w = w;
+    // The temporary raw copy must outlive the expansion.
+    if (!keep_raw) wait_for(stream, o.sync_timeout, what);
+  } else if (!bf16_elsewhere) {
+    max_raw_only_elems_ = std::max(max_raw_only_elems_, m.n_out * n_in);
+  }
+  if (keep_raw) m.raw = std::move(placed);
+  return m;
+}
+
 // Parts share n_in and are stacked by rows in the order given.
 dev_matrix device_weights::upload_fused(std::initializer_list<const kernels::weight_view*> parts, const weight_options& o,
                                         cudaStream_t stream, const char* what) {
-  dev_matrix m;
   const kernels::weight_view& first = **parts.begin();
-  m.n_in = first.n_in;
-  bool same_type = true;
-  size_t total_raw = 0;
+  std::vector<raw_spec> specs;  // every part of a type gemv_quant reads (the types may differ): raw blocks
   for (const auto* p : parts) {
-    m.n_out += p->n_out;
-    same_type = same_type && p->type == first.type;
-    total_raw += raw_bytes(*p);
+    const std::optional<kc::quant_type> qt = gemv_type(p->type);
+    if (!qt || kc::quant_row_bytes(*qt, p->n_in) != p->row_stride) break;
+    specs.push_back(raw_spec{p->n_out, *qt});
   }
-  const std::optional<kc::quant_type> qt = same_type ? gemv_type(first.type) : std::nullopt;
+  if (specs.size() == parts.size()) {
+    const std::vector<const kernels::weight_view*> list(parts);
+    return raw_matrix(first.n_in, specs, o, stream, what, [&](size_t i, uint8_t* dst, size_t bytes) {
+      kc::check(cudaMemcpyAsync(dst, list[i]->data, bytes, cudaMemcpyHostToDevice, stream), what);
+    });
+  }
+
+  dev_matrix m;
+  m.n_in = first.n_in;
+  for (const auto* p : parts) m.n_out += p->n_out;
   const int64_t n = m.n_out * m.n_in;
-
-  if (qt) {
-    // Raw blocks on the device; rows of equal type and n_in stack byte for byte.
-    const bool keep_raw = o.mode == weights_mode::quant_gemv_small_batch;
-    device_buffer temp;
-    uint8_t* raw = nullptr;
-    if (keep_raw) {
-      raw = alloc<uint8_t>((int64_t)total_raw, what);
-    } else {
-      temp = device_buffer(total_raw, what);
-      raw = temp.as<uint8_t>();
-    }
-    size_t off = 0;
-    for (const auto* p : parts) {
-      kc::check(cudaMemcpyAsync(raw + off, p->data, raw_bytes(*p), cudaMemcpyHostToDevice, stream), what);
-      off += raw_bytes(*p);
-    }
-    if (keep_raw) {
-      m.raw = raw;
-      m.qt = *qt;
-      m.raw_bytes = total_raw;
-    }
-    if (!keep_raw || o.expand_quant) {
-      bf16* w = alloc<bf16>(n, what);
-      kc::dequant_to_bf16(*qt, raw, n, w, stream);
-      m.w = w;
-      // The temporary raw copy must outlive the expansion.
-      if (!keep_raw) wait_for(stream, o.sync_timeout, what);
-    } else {
-      max_raw_only_elems_ = std::max(max_raw_only_elems_, n);
-    }
-    return m;
-  }
-
   // Host dequantization to bf16, uploaded in slices of about 16 MiB of floats.
   bf16* w = alloc<bf16>(n, what);
   const int64_t rows_per_slice = std::max<int64_t>(1, (int64_t{4} << 20) / m.n_in);
@@ -129,15 +146,24 @@ dev_matrix device_weights::upload_fused(std::initializer_list<const kernels::wei
 }
 
 void device_weights::count_decode_bytes(const dev_matrix& m) {
-  decode_bytes_ += m.raw ? m.raw_bytes : (size_t)(m.n_out * m.n_in) * sizeof(bf16);
+  decode_bytes_ += !m.raw.empty() ? m.raw_bytes() : (size_t)(m.n_out * m.n_in) * sizeof(bf16);
 }
 
 device_weights::device_weights(const model& mdl, const weight_options& o, cudaStream_t stream) : hp_(mdl.hparams()) {
   const weight_options bf16_only{weights_mode::bf16, true};
   const kernels::weight_view& emb = mdl.token_embd();
   token_embd_ = upload_fused({&emb}, bf16_only, stream, "the token embeddings").w;
-  output_ = hp_.tied_output ? dev_matrix{emb.n_out, emb.n_in, token_embd_, nullptr, {}}
+  output_ = hp_.tied_output ? dev_matrix{emb.n_out, emb.n_in, token_embd_, {}}
                             : upload_fused({&mdl.output()}, bf16_only, stream, "the output head");
+  // Steps of up to gemv_max_batch rows read the head's own blocks (fp32 logits) where gemv_quant
+  // takes their type: a Q4_K_M file's q6_k head is 0.41 of its bf16 bytes.
+  const kernels::weight_view& head = hp_.tied_output ? emb : mdl.output();
+  const std::optional<kc::quant_type> head_type = gemv_type(head.type);
+  if (o.mode == weights_mode::quant_gemv_small_batch && head_type && kc::quant_row_bytes(*head_type, head.n_in) == head.row_stride)
+    output_.raw = raw_matrix(head.n_in, {{head.n_out, *head_type}}, o, stream, "the output head's blocks",
+                             [&](size_t, uint8_t* dst, size_t bytes) {
+                               kc::check(cudaMemcpyAsync(dst, head.data, bytes, cudaMemcpyHostToDevice, stream), "the output head");
+                             }, true).raw;
   output_norm_ = upload_floats(mdl.output_norm(), "the output norm", stream);
   if (!mdl.rope_freq_factors().empty()) rope_freqs_ = upload_floats(mdl.rope_freq_factors(), "the rope frequency factors", stream);
 
@@ -167,10 +193,11 @@ dev_matrix device_weights::random_matrix(int64_t n_out, int64_t n_in, float stdd
                                          const char* what) {
   bf16* w = alloc<bf16>(n_out * n_in, what);
   fill_uniform_bf16(w, n_out * n_in, stddev * std::sqrt(3.0f), seed, stream);  // uniform [-a, a]: std a / sqrt(3)
-  return dev_matrix{n_out, n_in, w, nullptr, {}};
+  return dev_matrix{n_out, n_in, w, {}};
 }
 
-device_weights::device_weights(const model_hparams& hp, uint64_t seed, cudaStream_t stream, const std::vector<float>& rope_freqs)
+device_weights::device_weights(const model_hparams& hp, uint64_t seed, cudaStream_t stream, const std::vector<float>& rope_freqs,
+                               synthetic_quant quant, const weight_options& o)
     : hp_(hp) {
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim, kvd = (int64_t)hp.n_kv_heads * hp.head_dim;
   uint64_t next = seed;
@@ -186,11 +213,25 @@ device_weights::device_weights(const model_hparams& hp, uint64_t seed, cudaStrea
     return (const float*)p;
   };
   const float in_d = 1.0f / std::sqrt((float)d);
+  if (quant != synthetic_quant::none) {
+    const int64_t block = quant == synthetic_quant::q4_k_m ? 256 : 32;
+    if (d % block != 0 || qd % block != 0 || hp.d_ff % block != 0)
+      throw std::invalid_argument("synthetic quantized weights: d_model, heads x head size and d_ff must be multiples of " +
+                                  std::to_string(block));
+  }
   // As engine::model's dummy weights: the embeddings at every matrix's scale (trained models'
   // are small too), not of unit variance, which a tied output head turned into large logits.
   token_embd_ = random_matrix(hp.n_vocab, d, in_d, s(), stream, "the token embeddings").w;
-  output_ = hp.tied_output ? dev_matrix{hp.n_vocab, d, token_embd_, nullptr, {}}
-                           : random_matrix(hp.n_vocab, d, in_d, s(), stream, "the output head");
+  if (hp.tied_output || quant == synthetic_quant::none) {
+    output_ = hp.tied_output ? dev_matrix{hp.n_vocab, d, token_embd_, {}}
+                             : random_matrix(hp.n_vocab, d, in_d, s(), stream, "the output head");
+  } else {  // q6_k as in llama.cpp's Q4_K_M files, or q8_0; its bf16 as `o` says (one model either way)
+    const kc::quant_type qt = quant == synthetic_quant::q4_k_m ? kc::quant_type::q6_k : kc::quant_type::q8_0;
+    const uint64_t sd = s();
+    output_ = raw_matrix(d, {{hp.n_vocab, qt}}, o, stream, "the output head", [&](size_t, uint8_t* dst, size_t) {
+      kc::fill_random_blocks(qt, dst, hp.n_vocab * d, in_d, sd, stream);
+    });
+  }
   output_norm_ = ones(d);
   if (!rope_freqs.empty()) rope_freqs_ = upload_floats(rope_freqs, "the rope frequency factors", stream);
   layers_.resize((size_t)hp.n_layers);
@@ -202,10 +243,29 @@ device_weights::device_weights(const model_hparams& hp, uint64_t seed, cudaStrea
       L.bk = small(kvd);
       L.bv = small(kvd);
     }
-    L.qkv = random_matrix(qd + 2 * kvd, d, in_d, s(), stream, "the fused QKV weights");
-    L.o = random_matrix(d, qd, 1.0f / std::sqrt((float)qd), s(), stream, "the attention output weights");
-    L.gate_up = random_matrix(2 * (int64_t)hp.d_ff, d, in_d, s(), stream, "the fused gate|up weights");
-    L.down = random_matrix(d, hp.d_ff, 1.0f / std::sqrt((float)hp.d_ff), s(), stream, "the down projection weights");
+    if (quant == synthetic_quant::none) {
+      L.qkv = random_matrix(qd + 2 * kvd, d, in_d, s(), stream, "the fused QKV weights");
+      L.o = random_matrix(d, qd, 1.0f / std::sqrt((float)qd), s(), stream, "the attention output weights");
+      L.gate_up = random_matrix(2 * (int64_t)hp.d_ff, d, in_d, s(), stream, "the fused gate|up weights");
+      L.down = random_matrix(d, hp.d_ff, 1.0f / std::sqrt((float)hp.d_ff), s(), stream, "the down projection weights");
+    } else {
+      // As llama.cpp's Q4_K_M: q4_k, with V and down in q6_k every other layer (llama.cpp picks
+      // some layers by position); or q8_0 throughout.
+      const bool km = quant == synthetic_quant::q4_k_m;
+      const kc::quant_type base = km ? kc::quant_type::q4_k : kc::quant_type::q8_0;
+      const kc::quant_type more = km && (&L - layers_.data()) % 2 == 0 ? kc::quant_type::q6_k : base;
+      auto random_raw = [&](std::vector<raw_spec> parts, int64_t n_in, const char* what) {
+        const uint64_t sd = s();
+        const float stddev = 1.0f / std::sqrt((float)n_in);
+        return raw_matrix(n_in, parts, o, stream, what, [&](size_t i, uint8_t* dst, size_t) {
+          kc::fill_random_blocks(parts[i].qt, dst, parts[i].n_out * n_in, stddev, sd + i, stream);
+        });
+      };
+      L.qkv = random_raw({{qd, base}, {kvd, base}, {kvd, more}}, d, "the fused QKV weights");
+      L.o = random_raw({{d, base}}, qd, "the attention output weights");
+      L.gate_up = random_raw({{2 * (int64_t)hp.d_ff, base}}, d, "the fused gate|up weights");
+      L.down = random_raw({{d, more}}, hp.d_ff, "the down projection weights");
+    }
     for (const dev_matrix* m : {&L.qkv, &L.o, &L.gate_up, &L.down}) count_decode_bytes(*m);
   }
   count_decode_bytes(output_);

@@ -1,13 +1,16 @@
 // troupe_gpu_bench: device figures for docs/perf.md, one line each, "name value unit".
 //
 //   troupe_gpu_bench [--arch llama-3-8b] [--context 512] [--steps 20] [--device 0] [--decode-only B]
-//                    [--streamed 0|1] [--fused 0|1] [--fold 0|1] [--prefetch BYTES]
+//                    [--streamed 0|1] [--fused 0|1] [--fold 0|1] [--prefetch BYTES] [--quant none|q4_k_m|q8_0]
+//                    [--unroll 1|4|8]
 //                    [--layers N] [--vocab V] [--d-model D] [--heads H] [--kv-heads H] [--d-ff F] [--smoke 0|1]
 //
 // --decode-only B: only the model and its decode steps at batch B (one line), for a profiler
 // (scripts/gpu-profile); --streamed 1 makes those steps use gemv_bf16_streamed (default pipeline),
 // --fused 1 the fused launches (launch_options::gemv_swiglu, gemv_rope, attention_last_cta_merge), --fold 1
-// RMSNorm in the GEMVs (gemv_fold_norm), --prefetch launch_options::bf16_gemv_prefetch_bytes.
+// RMSNorm in the GEMVs (gemv_fold_norm), --prefetch launch_options::bf16_gemv_prefetch_bytes,
+// --quant the layer weights as random GGUF blocks (decode_q4_k_m_* below; B up to 8), --unroll
+// launch_options::quant_gemv_unroll.
 // --layers, --vocab, --d-model, --heads, --kv-heads, --d-ff: the architecture with these instead
 // (head_dim stays the architecture's).
 // --smoke 1: every figure and variant at toy sizes (16 MiB copies, 256^3 GEMM, 64-token prefill,
@@ -43,6 +46,11 @@
 //   programmatic dependent launch. Batch-1 variants are the best of three 20-step means
 //   (decode_b1_default_*: the default options measured so); decode_b1_best_time_over_roofline:
 //   the fastest of them (its name in a "# fastest" line). A variant that fails prints "# NAME failed".
+// - decode_{q4_k_m,q8_0}_b{1,8}: the same steps (best of 3 at batch 1) with the layer weights as
+//   random GGUF blocks in llama.cpp's Q4_K_M mix (q4_k; V and down q6_k every other layer) and in
+//   q8_0 (an output head in q6_k or q8_0), read by gemv_quant; *_unroll{4,8}_* with
+//   launch_options::quant_gemv_unroll 4 or 8. Roofline: that model's bytes per step
+//   (decode_*_weight_bytes) plus KV over the copy rate. Run last, after the bf16 model is freed.
 // - prefill_2048: one 2048-token chunk, best of 3; FLOPs = 2 * layer params * tokens + 2 * head
 //   params (one logits row) + causal attention 4 * n_heads * head_dim * T(T+1)/2 per layer.
 #include <algorithm>
@@ -187,6 +195,8 @@ struct args {
   int prefetch = 0;       // ... and bf16_gemv_prefetch_bytes
   int layers = 0, vocab = 0, d_model = 0, heads = 0, kv_heads = 0, d_ff = 0;  // > 0: instead of the architecture's
   bool smoke = false;         // toy sizes (sizes above)
+  ec::synthetic_quant quant = ec::synthetic_quant::none;  // --decode-only's layer weights
+  int unroll = 1;                                         // ... and launch_options::quant_gemv_unroll
 };
 
 args parse(int argc, char** argv) {
@@ -211,12 +221,32 @@ args parse(int argc, char** argv) {
     else if (k == "--kv-heads") a.kv_heads = std::stoi(v);
     else if (k == "--d-ff") a.d_ff = std::stoi(v);
     else if (k == "--smoke") a.smoke = std::stoi(v) != 0;
-    else throw std::invalid_argument("unknown option " + k + " (--arch, --context, --steps, --device, --decode-only, --streamed, --fused, --fold, --prefetch, --layers, --vocab, --d-model, --heads, --kv-heads, --d-ff, --smoke)");
+    else if (k == "--unroll") a.unroll = std::stoi(v);
+    else if (k == "--quant") {
+      if (v == "q4_k_m") a.quant = ec::synthetic_quant::q4_k_m;
+      else if (v == "q8_0") a.quant = ec::synthetic_quant::q8_0;
+      else if (v != "none") throw std::invalid_argument("--quant: none, q4_k_m or q8_0");
+    }
+    else throw std::invalid_argument("unknown option " + k + " (--arch, --context, --steps, --device, --decode-only, --streamed, --fused, --fold, --prefetch, --quant, --unroll, --layers, --vocab, --d-model, --heads, --kv-heads, --d-ff, --smoke)");
   }
+  if (a.quant != ec::synthetic_quant::none && (a.decode_only < 1 || a.decode_only > ec::gemv_max_batch))
+    throw std::invalid_argument("--quant takes --decode-only 1 to 8 (the rows gemv_quant serves)");
   if (a.context < a.steps + 4 || a.steps < 1) throw std::invalid_argument("--context must exceed --steps + 3, --steps >= 1");
   if (std::min({a.layers, a.vocab, a.d_model, a.heads, a.kv_heads, a.d_ff}) < 0)
     throw std::invalid_argument("--layers, --vocab, --d-model, --heads, --kv-heads and --d-ff must be positive (0: the architecture's)");
   return a;
+}
+
+// `o` for a synthetic model of quantized layer weights `q` (blocks only: steps of up to 8 rows
+// read them through gemv_quant), KV for `seqs` sequences of `context` positions.
+ec::cuda_options quant_options(ec::cuda_options o, ec::synthetic_quant q, int seqs, int context) {
+  o.synthetic_weights = q;
+  o.weights.mode = ec::weights_mode::quant_gemv_small_batch;
+  o.weights.expand_quant = false;
+  o.max_seqs = seqs;
+  o.max_context = context;
+  o.n_blocks = seqs * kv_blocks_for(context, o.block_size);
+  return o;
 }
 
 // Decode steps of `batch` sequences whose contexts end at a.context; seconds per step.
@@ -276,6 +306,8 @@ void run(const args& a) {
     o.launch.gemv_swiglu = o.launch.attention_last_cta_merge = o.launch.gemv_rope = a.fused;
     o.launch.gemv_fold_norm = a.fold;
     o.launch.bf16_gemv_prefetch_bytes = a.prefetch;
+    if (a.quant != ec::synthetic_quant::none) o = quant_options(o, a.quant, a.decode_only, a.context);
+    o.launch.quant_gemv_unroll = a.unroll;
     auto f = ec::cuda_forward::synthetic(hp, o);
     if (a.fold && !f->fold_norm(a.decode_only)) std::printf("# --fold 1: these steps do not fold RMSNorm (not all GEMVs are gemv_bf16)\n");
     line("decode_b" + std::to_string(a.decode_only) + "_step", decode_step_time(*f, a.decode_only, a) * 1e3, "ms");
@@ -538,6 +570,36 @@ void run(const args& a) {
     std::printf("# fastest batch-1 step: %s\n", best_b1_name.c_str());
     line("decode_b1_best_time_over_roofline", best_b1 / roofline_of(1), "x");
     f->set_launch_options(o.launch);
+  }
+
+  // Quantized layer weights decoded from their blocks (gemv_quant, up to 8 rows): the
+  // architecture as llama.cpp's Q4_K_M and Q8_0 files hold it (random blocks, output head bf16),
+  // the bf16 model freed first. Roofline: this model's bytes a step reads over the copy rate.
+  if (device_lost) return;
+  f.reset();
+  for (const auto& [q, tag] : {std::pair{ec::synthetic_quant::q4_k_m, "q4_k_m"}, {ec::synthetic_quant::q8_0, "q8_0"}}) {
+    const std::string b = std::string("decode_") + tag;
+    try {
+      auto qf = ec::cuda_forward::synthetic(hp, quant_options(o, q, 8, a.context));
+      const double bytes = (double)qf->decode_bytes_per_token();
+      line(b + "_weight_bytes", bytes / 1e9, "GB");
+      // Plain, then with 4 and 8 units' loads in flight a lane (launch_options::quant_gemv_unroll).
+      for (const auto& [batch, unroll] : {std::pair{1, 1}, {8, 1}, {1, 4}, {1, 8}, {8, 4}}) {
+        ec::launch_options l = o.launch;
+        l.quant_gemv_unroll = unroll;
+        qf->set_launch_options(l);
+        double t = decode_step_time(*qf, batch, a);
+        for (int rep = 1; batch == 1 && rep < 3; ++rep) t = std::min(t, decode_step_time(*qf, batch, a));
+        const double roofline = (bytes + (double)batch * (a.context - a.steps / 2.0) * kv_bytes_per_pos) / bw;
+        const std::string bb = b + "_b" + std::to_string(batch) + (unroll > 1 ? "_unroll" + std::to_string(unroll) : "");
+        line(bb + "_step", t * 1e3, "ms");
+        line(bb + "_tokens_per_s", batch / t, "tok/s");
+        line(bb + "_time_over_roofline", t / roofline, "x");
+      }
+    } catch (const std::exception& e) {
+      std::printf("# %s failed: %s\n", b.c_str(), e.what());
+      if (!device_usable()) return;
+    }
   }
 }
 

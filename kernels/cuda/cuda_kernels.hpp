@@ -166,13 +166,19 @@ void paged_attention(const bf16* q, const step_layout& st, const kv_cache_view& 
 // ---- weight-only quantized GEMV (decode from quantized memory) ----------------------------------
 
 /// GGUF quantized block types usable directly by gemv_quant (the raw GGUF block layout).
-enum class quant_type : int { q8_0 = 0, q4_0 = 1, q4_k = 2, q4_1 = 3 };
+enum class quant_type : int { q8_0 = 0, q4_0 = 1, q4_k = 2, q4_1 = 3, q5_k = 4, q6_k = 5 };
 
 /// y[b, o] = sum_i W[o, i] * x[b, i] for b in [0, batch) (batch <= 8), W stored as GGUF blocks,
-/// row-major, `n_in` values per row (a multiple of the block size: 32, or 256 for q4_k). x bf16
-/// [batch, n_in]; y bf16 [batch, n_out]. Accumulates in fp32.
+/// row-major, `n_in` values per row (a multiple of the block size: 32, or 256 for the k-quants).
+/// x bf16 [batch, n_in]; y bf16 with batch row b at y + b * ldy (ldy 0: n_out), so the parts of a
+/// fused matrix of several types write their columns of one output. Accumulates in fp32. unroll
+/// (1, 4 or 8): units of 8 weights whose loads each lane issues before decoding the first (the
+/// same results; engine::cuda::launch_options::quant_gemv_unroll).
 void gemv_quant(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch,
-                cudaStream_t stream);
+                cudaStream_t stream, int64_t ldy = 0, int unroll = 1);
+/// As gemv_quant with fp32 outputs (the output head: logits are not rounded to bf16).
+void gemv_quant_f32(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, float* y, int batch,
+                    cudaStream_t stream, int64_t ldy = 0, int unroll = 1);
 
 /// The residual add and RMSNorm carried by the bf16 GEMVs on either side of them instead of an
 /// add_rmsnorm launch (engine::cuda::launch_options::gemv_fold_norm).
@@ -246,6 +252,14 @@ struct gemv_stream_config {
 /// and x 16-byte aligned, batch 1 or 2 (cuda_error otherwise). Sums in a fixed order.
 void gemv_bf16_streamed(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch,
                         cudaStream_t stream, const gemv_stream_config& cfg = {});
+
+/// Bytes of one row of n_in values (a multiple of the block size) in type t.
+size_t quant_row_bytes(quant_type t, int64_t n_in);
+
+/// n values (a multiple of the block size) of random GGUF blocks of type t at w: random quants,
+/// scales set so the weights have mean about 0 and standard deviation about `stddev` (synthetic
+/// quantized weights for benchmarks). Seeded: the same bytes for the same arguments.
+void fill_random_blocks(quant_type t, void* w, int64_t n, float stddev, uint64_t seed, cudaStream_t stream);
 
 /// Expands GGUF blocks of type t (n values, a multiple of the block size) into bf16.
 void dequant_to_bf16(quant_type t, const void* w, int64_t n, bf16* out, cudaStream_t stream);

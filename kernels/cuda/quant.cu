@@ -3,10 +3,14 @@
 //
 // Work is cut into "units" of 8 weights whose quantized bytes are contiguous: a quarter of a
 // q8_0 block, a quarter of a q4_0 or q4_1 block (4 bytes: weights j..j+3 low nibbles, j+16..j+19
-// high),
-// and a 32nd of a q4_k super-block (4 bytes: 4 weights of sub-block 2p and 4 of 2p+1). Lane l of
-// a warp takes units l, l+32, ..., so a warp reads each row as one coalesced stream. One warp
-// computes one output row for every batch row, accumulating in fp32.
+// high), and a 32nd of a k-quant super-block: 4 bytes of q4_k's or q5_k's nibbles (4 weights of
+// sub-block 2p and 4 of 2p+1; q5_k's fifth bits from 4 bytes of qh that 8 lanes share), 4 bytes
+// of q6_k's low nibbles (4 weights of one 32-run and 4 of the run 64 further; their top two bits
+// from 4 bytes of qh that 8 lanes share). Lane l of a warp takes units l, l+32, ..., so a warp
+// reads each row's quants as one coalesced stream. One warp computes one output row for every
+// batch row, accumulating in fp32. Together these are the types of llama.cpp's Q4_K_M, Q5_K_M,
+// Q4_0 and Q8_0 files (Q6_K for the tensors the K_M mixes keep at more bits).
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -24,10 +28,20 @@ constexpr int gemv_warps = 4;  // rows per block
 constexpr int dequant_threads = 256;
 constexpr int max_batch = 8;
 
-__device__ __forceinline__ float half_at(const uint8_t* p) {
-  __half_raw r;
-  r.x = *reinterpret_cast<const uint16_t*>(p);
-  return __half2float(__half(r));
+__device__ __forceinline__ void store_half(uint8_t* p, float v) {
+  const __half_raw r = __half(__float2half_rn(v));
+  *reinterpret_cast<uint16_t*>(p) = r.x;
+}
+
+// Scales of a random q4_k / q5_k block whose quants are uniform (standard deviation q_std, mean
+// q_mean): every sub-block's 6-bit scale and min 32 (the 12 bytes that scale_min_k4 unpacks so),
+// d = stddev / (32 q_std) and dmin = q_mean d, so w = d * 32 * (q - q_mean) has mean 0 (stddev
+// may be negative).
+__device__ __forceinline__ void set_k_scales(uint8_t* blk, float stddev, float q_std, float q_mean) {
+  const float d = stddev / (32.0f * q_std);
+  store_half(blk, d), store_half(blk + 2, q_mean * d);
+  for (int i = 0; i < 8; ++i) blk[4 + i] = 160;  // 32 in the low 6 bits, 32 >> 4 in the top 2
+  for (int i = 8; i < 12; ++i) blk[4 + i] = 0;
 }
 
 // 4 bf16 activations at an 8-byte aligned address.
@@ -54,35 +68,61 @@ struct unit {
   float offset[2];
 };
 
+// 4 bytes at a 2-byte aligned address.
+__device__ __forceinline__ uint32_t load_u32_a2(const uint8_t* p) {
+  return uint32_t(*reinterpret_cast<const uint16_t*>(p)) | uint32_t(*reinterpret_cast<const uint16_t*>(p + 2)) << 16;
+}
+
+__device__ __forceinline__ uint32_t load_u16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
+
+__device__ __forceinline__ uint32_t load_u32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// The fp16 value in the low 16 bits of `bits`.
+__device__ __forceinline__ float half_bits(uint32_t bits) {
+  __half_raw r;
+  r.x = uint16_t(bits & 0xffff);
+  return __half2float(__half(r));
+}
+
+// The memory words decoding one unit reads (its quants and its block's scales). Each layout's
+// load() issues every load of a unit and decode() uses them, so a lane can have several units'
+// loads in flight before the first is decoded (gemv_kernel's Unroll).
+template <int N>
+struct words {
+  uint32_t w[N];
+};
+
 template <quant_type T>
 struct layout;
 
 template <>
 struct layout<quant_type::q8_0> {
   static constexpr int block_values = 32, block_bytes = 34, units_per_block = 4;
-  __device__ static unit decode(const uint8_t* blk, int u, int64_t base) {
-    unit r;
-    const float d = half_at(blk);
+  // Random quants are uniform int8 (standard deviation 73.9): d scales them to `stddev`.
+  __device__ static void set_scales(uint8_t* blk, float stddev) { store_half(blk, stddev / 73.9f); }
+  using raw = words<3>;  // d; quants 0-3; quants 4-7
+  __device__ static raw load(const uint8_t* blk, int u) {
     const uint8_t* qs = blk + 2 + 8 * u;  // 2-byte aligned only: 34-byte blocks
+    return {{load_u16(blk), load_u32_a2(qs), load_u32_a2(qs + 4)}};
+  }
+  __device__ static unit decode(const raw& r, int u, int64_t base) {
+    unit o;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const uint16_t two = *reinterpret_cast<const uint16_t*>(qs + 2 * k);
-      r.q[2 * k] = float(int8_t(two & 0xff));
-      r.q[2 * k + 1] = float(int8_t(two >> 8));
+      o.q[k] = float(int8_t((r.w[1] >> (8 * k)) & 0xff));
+      o.q[4 + k] = float(int8_t((r.w[2] >> (8 * k)) & 0xff));
     }
-    r.i0 = base + 8 * u, r.i1 = r.i0 + 4;
-    r.scale[0] = r.scale[1] = d;
-    r.offset[0] = r.offset[1] = 0.0f;
-    return r;
+    o.i0 = base + 8 * u, o.i1 = o.i0 + 4;
+    o.scale[0] = o.scale[1] = half_bits(r.w[0]);
+    o.offset[0] = o.offset[1] = 0.0f;
+    return o;
   }
 };
 
-// The 32-weight nibble blocks (q4_0, q4_1): unit u is bytes 4u..4u+3 of the nibbles at qs,
-// weights 4u.. (low nibbles) and 4u+16.. (high); w = d * (nibble + q_shift) + m.
-__device__ __forceinline__ unit decode_nibbles32(const uint8_t* qs, int u, int64_t base, float d, float q_shift, float m) {
+// The 32-weight nibble blocks (q4_0, q4_1): unit u is bytes 4u..4u+3 of the nibbles (b), weights
+// 4u.. (low nibbles) and 4u+16.. (high); w = d * (nibble + q_shift) + m.
+__device__ __forceinline__ unit decode_nibbles32(uint32_t b, int u, int64_t base, float d, float q_shift, float m) {
   unit r;
-  const uint8_t* p = qs + 4 * u;  // 2-byte aligned only: 18- and 20-byte blocks
-  const uint32_t b = uint32_t(*reinterpret_cast<const uint16_t*>(p)) | uint32_t(*reinterpret_cast<const uint16_t*>(p + 2)) << 16;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     r.q[k] = float((b >> (8 * k)) & 0x0f) + q_shift;
@@ -97,89 +137,209 @@ __device__ __forceinline__ unit decode_nibbles32(const uint8_t* qs, int u, int64
 template <>
 struct layout<quant_type::q4_0> {  // d (fp16), 16 bytes of nibbles; w = d * (q - 8)
   static constexpr int block_values = 32, block_bytes = 18, units_per_block = 4;
-  __device__ static unit decode(const uint8_t* blk, int u, int64_t base) {
-    return decode_nibbles32(blk + 2, u, base, half_at(blk), -8.0f, 0.0f);
+  __device__ static void set_scales(uint8_t* blk, float stddev) { store_half(blk, stddev / 4.61f); }  // q - 8: std 4.61
+  using raw = words<2>;  // d; nibbles (2-byte aligned only: 18-byte blocks)
+  __device__ static raw load(const uint8_t* blk, int u) { return {{load_u16(blk), load_u32_a2(blk + 2 + 4 * u)}}; }
+  __device__ static unit decode(const raw& r, int u, int64_t base) {
+    return decode_nibbles32(r.w[1], u, base, half_bits(r.w[0]), -8.0f, 0.0f);
   }
 };
 
 template <>
 struct layout<quant_type::q4_1> {  // d, m (fp16), 16 bytes of nibbles; w = d * q + m
   static constexpr int block_values = 32, block_bytes = 20, units_per_block = 4;
-  __device__ static unit decode(const uint8_t* blk, int u, int64_t base) {
-    return decode_nibbles32(blk + 4, u, base, half_at(blk), 0.0f, half_at(blk + 2));
+  __device__ static void set_scales(uint8_t* blk, float stddev) {
+    const float d = stddev / 4.61f;
+    store_half(blk, d), store_half(blk + 2, -7.5f * d);  // q in [0, 15]: mean 7.5
+  }
+  using raw = words<2>;  // d | m << 16; nibbles
+  __device__ static raw load(const uint8_t* blk, int u) { return {{load_u32_a2(blk), load_u32_a2(blk + 4 + 4 * u)}}; }
+  __device__ static unit decode(const raw& r, int u, int64_t base) {
+    return decode_nibbles32(r.w[1], u, base, half_bits(r.w[0]), 0.0f, half_bits(r.w[0] >> 16));
   }
 };
 
-// The 6-bit scale and min of sub-block j of a q4_k super-block (ggml's get_scale_min_k4).
-__device__ __forceinline__ void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
+// Byte i (0..11) of a k-quant's 12 scale bytes held as three words.
+__device__ __forceinline__ int scale_byte(uint32_t s0, uint32_t s1, uint32_t s2, int i) {
+  const uint32_t w = i < 4 ? s0 : i < 8 ? s1 : s2;
+  return int((w >> (8 * (i & 3))) & 0xff);
+}
+
+// The 6-bit scale and min of sub-block j of a q4_k / q5_k super-block (ggml's get_scale_min_k4).
+__device__ __forceinline__ void scale_min_k4(int j, uint32_t s0, uint32_t s1, uint32_t s2, int& sc, int& m) {
   if (j < 4) {
-    sc = s[j] & 63;
-    m = s[j + 4] & 63;
+    sc = scale_byte(s0, s1, s2, j) & 63;
+    m = scale_byte(s0, s1, s2, j + 4) & 63;
   } else {
-    sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    sc = (scale_byte(s0, s1, s2, j + 4) & 0x0f) | ((scale_byte(s0, s1, s2, j - 4) >> 6) << 4);
+    m = (scale_byte(s0, s1, s2, j + 4) >> 4) | ((scale_byte(s0, s1, s2, j) >> 6) << 4);
   }
 }
 
+// Unit u of a q4_k or q5_k block: sub-blocks 2p and 2p + 1 (p = u / 8), q[0..3] and q[4..7] their
+// quants; raw words 0-3 are d | dmin << 16 and the 12 scale bytes.
+template <class Raw>
+__device__ __forceinline__ void k_scales(const Raw& r, int u, int64_t base, unit& o) {
+  const int p = u / 8;
+  const float d = half_bits(r.w[0]), dmin = half_bits(r.w[0] >> 16);
+  int sc, m;
+  scale_min_k4(2 * p, r.w[1], r.w[2], r.w[3], sc, m);
+  o.scale[0] = d * float(sc), o.offset[0] = -(dmin * float(m));
+  scale_min_k4(2 * p + 1, r.w[1], r.w[2], r.w[3], sc, m);
+  o.scale[1] = d * float(sc), o.offset[1] = -(dmin * float(m));
+  o.i0 = base + 64 * p + 4 * (u % 8), o.i1 = o.i0 + 32;
+}
+
 template <>
-struct layout<quant_type::q4_k> {
+struct layout<quant_type::q4_k> {  // d, dmin (fp16), 12 scale bytes, qs[128]
   static constexpr int block_values = 256, block_bytes = 144, units_per_block = 32;
-  __device__ static unit decode(const uint8_t* blk, int u, int64_t base) {
-    unit r;
-    const float d = half_at(blk), dmin = half_at(blk + 2);
-    const uint8_t* scales = blk + 4;
-    // Bytes 4u..4u+3 of qs: qs[32p + l] holds weight 64p + l (low) and 64p + 32 + l (high).
-    const int p = u / 8, l0 = 4 * (u % 8);
-    const uint32_t b = *reinterpret_cast<const uint32_t*>(blk + 16 + 4 * u);
+  __device__ static void set_scales(uint8_t* blk, float stddev) { set_k_scales(blk, stddev, 4.61f, 7.5f); }
+  using raw = words<5>;  // d | dmin << 16; scales 0-3, 4-7, 8-11; qs bytes 4u..4u+3
+  __device__ static raw load(const uint8_t* blk, int u) {
+    return {{load_u32(blk), load_u32(blk + 4), load_u32(blk + 8), load_u32(blk + 12), load_u32(blk + 16 + 4 * u)}};
+  }
+  __device__ static unit decode(const raw& r, int u, int64_t base) {
+    // qs[32p + l] holds weight 64p + l (low nibble) and 64p + 32 + l (high).
+    unit o;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      r.q[k] = float((b >> (8 * k)) & 0x0f);
-      r.q[4 + k] = float((b >> (8 * k + 4)) & 0x0f);
+      o.q[k] = float((r.w[4] >> (8 * k)) & 0x0f);
+      o.q[4 + k] = float((r.w[4] >> (8 * k + 4)) & 0x0f);
     }
-    int sc, m;
-    scale_min_k4(2 * p, scales, sc, m);
-    r.scale[0] = d * float(sc), r.offset[0] = -(dmin * float(m));
-    scale_min_k4(2 * p + 1, scales, sc, m);
-    r.scale[1] = d * float(sc), r.offset[1] = -(dmin * float(m));
-    r.i0 = base + 64 * p + l0, r.i1 = r.i0 + 32;
-    return r;
+    k_scales(r, u, base, o);
+    return o;
   }
 };
 
-template <quant_type T, int B>
+template <>
+struct layout<quant_type::q5_k> {  // q4_k's d, dmin, scales, then qh[32], qs[128]: q = nibble + 16 * bit
+  static constexpr int block_values = 256, block_bytes = 176, units_per_block = 32;
+  __device__ static void set_scales(uint8_t* blk, float stddev) { set_k_scales(blk, stddev, 9.23f, 15.5f); }
+  using raw = words<6>;  // as q4_k's, then qh bytes 4(u % 8)..+3
+  __device__ static raw load(const uint8_t* blk, int u) {
+    return {{load_u32(blk), load_u32(blk + 4), load_u32(blk + 8), load_u32(blk + 12), load_u32(blk + 48 + 4 * u),
+             load_u32(blk + 16 + 4 * (u % 8))}};
+  }
+  __device__ static unit decode(const raw& r, int u, int64_t base) {
+    // As q4_k: qs[32p + l] holds weight 64p + l (low) and 64p + 32 + l (high); qh[l]'s bit 2p is
+    // the low weight's fifth bit, bit 2p + 1 the high one's.
+    unit o;
+    const uint32_t b = r.w[4], h = r.w[5] >> (2 * (u / 8));
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      o.q[k] = float(((b >> (8 * k)) & 0x0f) | (((h >> (8 * k)) & 1) << 4));
+      o.q[4 + k] = float(((b >> (8 * k + 4)) & 0x0f) | (((h >> (8 * k + 1)) & 1) << 4));
+    }
+    k_scales(r, u, base, o);
+    return o;
+  }
+};
+
+template <>
+struct layout<quant_type::q6_k> {  // ql[128], qh[64], int8 scales[16], d (fp16): w = d * sc * (q - 32)
+  static constexpr int block_values = 256, block_bytes = 210, units_per_block = 32;
+  __device__ static void set_scales(uint8_t* blk, float stddev) {
+    for (int i = 0; i < 16; ++i) blk[192 + i] = 16;
+    store_half(blk + 208, stddev / (16.0f * 18.47f));  // q - 32: std 18.47
+  }
+  // Half hf of the block (128 weights): ql[64 hf + l] holds weight 128 hf + l (low nibble) and
+  // 128 hf + 64 + l (high), ql[64 hf + 32 + l] weights 128 hf + 32 + l and + 96 + l; qh[32 hf + l]
+  // their top two bits at 0, 4 and 2, 6. Unit u takes ql bytes 4u..4u+3: g = 0 the first pair of
+  // runs, g = 1 the second; its scales are sc[8 hf + l0 / 16 + 2 g] and the one 4 further.
+  using raw = words<4>;  // d; the two scales (bytes 0 and 1); ql; qh (2-byte aligned only: 210-byte blocks)
+  __device__ static raw load(const uint8_t* blk, int u) {
+    const int hf = u / 16, g = (u / 8) & 1, l0 = 4 * (u % 8);
+    const uint8_t* sc = blk + 192 + 8 * hf + l0 / 16 + 2 * g;
+    return {{load_u16(blk + 208), uint32_t(sc[0]) | uint32_t(sc[4]) << 8, load_u32_a2(blk + 4 * u),
+             load_u32_a2(blk + 128 + 32 * hf + l0)}};
+  }
+  __device__ static unit decode(const raw& r, int u, int64_t base) {
+    const int hf = u / 16, g = (u / 8) & 1, l0 = 4 * (u % 8);
+    unit o;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      o.q[k] = float(int(((r.w[2] >> (8 * k)) & 0x0f) | (((r.w[3] >> (8 * k + 2 * g)) & 3) << 4)) - 32);
+      o.q[4 + k] = float(int(((r.w[2] >> (8 * k + 4)) & 0x0f) | (((r.w[3] >> (8 * k + 4 + 2 * g)) & 3) << 4)) - 32);
+    }
+    const float d = half_bits(r.w[0]);
+    o.scale[0] = d * float(int8_t(r.w[1] & 0xff)), o.scale[1] = d * float(int8_t((r.w[1] >> 8) & 0xff));
+    o.offset[0] = o.offset[1] = 0.0f;
+    o.i0 = base + 128 * hf + 32 * g + l0, o.i1 = o.i0 + 64;
+    return o;
+  }
+};
+
+// Unit u of the block at blk, loaded and decoded.
+template <quant_type T>
+__device__ __forceinline__ unit decode_unit(const uint8_t* blk, int u, int64_t base) {
+  return layout<T>::decode(layout<T>::load(blk, u), u, base);
+}
+
+// One unit's B dot products added to acc: scale * sum(q x) + offset * sum(x), two sums per run
+// instead of a dequantized weight each.
+template <int B>
+__device__ __forceinline__ void unit_dots(const unit& q, const bf16* __restrict__ x, int64_t n_in, float (&acc)[B]) {
+#pragma unroll
+  for (int b = 0; b < B; ++b) {
+    float x0[4], x1[4];
+    load4(x + b * n_in + q.i0, x0);
+    load4(x + b * n_in + q.i1, x1);
+    float qx0 = 0.0f, qx1 = 0.0f, sx0 = 0.0f, sx1 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      qx0 += q.q[k] * x0[k], qx1 += q.q[4 + k] * x1[k];
+      sx0 += x0[k], sx1 += x1[k];
+    }
+    acc[b] += q.scale[0] * qx0 + q.scale[1] * qx1 + q.offset[0] * sx0 + q.offset[1] * sx1;
+  }
+}
+
+// One warp per output row; lane l takes units l, l + 32, ... in order. Unroll > 1: the loads of
+// Unroll units (layout::load) are issued before the first is decoded, so a lane has Unroll units'
+// quants and scales in flight rather than one (the same sums in the same order: the same bits).
+template <quant_type T, int B, class Out, int Unroll>
 __global__ void __launch_bounds__(gemv_warps * 32) gemv_kernel(const uint8_t* __restrict__ w, int64_t n_out, int64_t n_in,
-                                                               const bf16* __restrict__ x, bf16* __restrict__ y) {
+                                                               const bf16* __restrict__ x, Out* __restrict__ y,
+                                                               int64_t ldy) {
   using L = layout<T>;
   const int lane = threadIdx.x & 31;
   const int64_t o = int64_t(blockIdx.x) * gemv_warps + (threadIdx.x >> 5);
   if (o >= n_out) return;  // whole warps leave together
-  const int64_t n_blocks = n_in / L::block_values;
-  const uint8_t* row = w + o * n_blocks * L::block_bytes;
+  const int64_t n_units = n_in / L::block_values * L::units_per_block;
+  const uint8_t* row = w + o * (n_in / L::block_values) * L::block_bytes;
   float acc[B];
 #pragma unroll
   for (int b = 0; b < B; ++b) acc[b] = 0.0f;
-  for (int64_t u = lane; u < n_blocks * L::units_per_block; u += 32) {
-    const int64_t blk = u / L::units_per_block;
-    const unit q = L::decode(row + blk * L::block_bytes, int(u % L::units_per_block), blk * L::block_values);
+  int64_t u = lane;
+  if constexpr (Unroll > 1) {
+    for (; u + 32 * (Unroll - 1) < n_units; u += 32 * Unroll) {
+      typename L::raw r[Unroll];
 #pragma unroll
-    for (int b = 0; b < B; ++b) {
-      float x0[4], x1[4];
-      load4(x + b * n_in + q.i0, x0);
-      load4(x + b * n_in + q.i1, x1);
-      // scale * sum(q x) + offset * sum(x): two sums per run instead of a dequantized weight each.
-      float qx0 = 0.0f, qx1 = 0.0f, sx0 = 0.0f, sx1 = 0.0f;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        qx0 += q.q[k] * x0[k], qx1 += q.q[4 + k] * x1[k];
-        sx0 += x0[k], sx1 += x1[k];
+      for (int k = 0; k < Unroll; ++k) {
+        const int64_t uk = u + 32 * k;
+        r[k] = L::load(row + uk / L::units_per_block * L::block_bytes, int(uk % L::units_per_block));
       }
-      acc[b] += q.scale[0] * qx0 + q.scale[1] * qx1 + q.offset[0] * sx0 + q.offset[1] * sx1;
+#pragma unroll
+      for (int k = 0; k < Unroll; ++k) {
+        const int64_t uk = u + 32 * k;
+        unit_dots<B>(L::decode(r[k], int(uk % L::units_per_block), uk / L::units_per_block * L::block_values), x, n_in, acc);
+      }
     }
+  }
+  for (; u < n_units; u += 32) {
+    const int64_t blk = u / L::units_per_block;
+    unit_dots<B>(decode_unit<T>(row + blk * L::block_bytes, int(u % L::units_per_block), blk * L::block_values), x, n_in, acc);
   }
 #pragma unroll
   for (int b = 0; b < B; ++b) {
     const float s = warp_sum(acc[b]);
-    if (lane == b) y[b * n_out + o] = __float2bfloat16_rn(s);
+    if (lane == b) {
+      if constexpr (std::is_same_v<Out, float>) {
+        y[b * ldy + o] = s;
+      } else {
+        y[b * ldy + o] = __float2bfloat16_rn(s);
+      }
+    }
   }
 }
 
@@ -422,7 +582,7 @@ __global__ void dequant_kernel(const uint8_t* __restrict__ w, int64_t n_units, b
   using L = layout<T>;
   for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < n_units; u += int64_t(gridDim.x) * blockDim.x) {
     const int64_t blk = u / L::units_per_block;
-    const unit q = L::decode(w + blk * L::block_bytes, int(u % L::units_per_block), blk * L::block_values);
+    const unit q = decode_unit<T>(w + blk * L::block_bytes, int(u % L::units_per_block), blk * L::block_values);
     // Rounded product then sum, no FMA: the same float value as kernels::dequantize_row.
     float v0[4], v1[4];
 #pragma unroll
@@ -433,6 +593,24 @@ __global__ void dequant_kernel(const uint8_t* __restrict__ w, int64_t n_units, b
     store4(out + q.i0, v0);
     store4(out + q.i1, v1);
   }
+}
+
+// Random quants: every 16-bit half of the blocks from splitmix64 of (seed, its index).
+__global__ void fill_random_bytes_kernel(uint16_t* w, int64_t n, uint64_t seed) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint64_t z = seed + 0x9e3779b97f4a7c15ULL * uint64_t(i + 1);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    w[i] = uint16_t((z ^ (z >> 31)) >> 48);
+  }
+}
+
+// Every other block's scales negative (a negative d flips its weights): the quants' own mean
+// (q4_0's q - 8 is -0.5 on average) cancels over a row.
+template <quant_type T>
+__global__ void fill_block_scales_kernel(uint8_t* w, int64_t n_blocks, float stddev) {
+  for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < n_blocks; b += int64_t(gridDim.x) * blockDim.x)
+    layout<T>::set_scales(w + b * layout<T>::block_bytes, b % 2 == 0 ? stddev : -stddev);
 }
 
 // f(std::integral_constant<int, batch>{}) for batch in [1, max_batch].
@@ -450,15 +628,25 @@ void with_batch(int batch, F&& f) {
   }
 }
 
-template <quant_type T>
-void gemv_typed(const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream) {
-  const auto blocks = unsigned((n_out + gemv_warps - 1) / gemv_warps);
-  with_batch(batch, [&](auto b) {
-    launch_ordinary(gemv_kernel<T, decltype(b)::value>, blocks, gemv_warps * 32, 0, stream, static_cast<const uint8_t*>(w), n_out, n_in, x, y);
-  });
+// f(std::integral_constant<quant_type, t>{}).
+template <class F>
+void with_type(quant_type t, F&& f) {
+  switch (t) {
+    case quant_type::q8_0: return f(std::integral_constant<quant_type, quant_type::q8_0>{});
+    case quant_type::q4_0: return f(std::integral_constant<quant_type, quant_type::q4_0>{});
+    case quant_type::q4_k: return f(std::integral_constant<quant_type, quant_type::q4_k>{});
+    case quant_type::q4_1: return f(std::integral_constant<quant_type, quant_type::q4_1>{});
+    case quant_type::q5_k: return f(std::integral_constant<quant_type, quant_type::q5_k>{});
+    case quant_type::q6_k: return f(std::integral_constant<quant_type, quant_type::q6_k>{});
+  }
+  throw cuda_error("quantized GEMV: unknown quant_type " + std::to_string(int(t)));
 }
 
-int block_values(quant_type t) { return t == quant_type::q4_k ? 256 : 32; }
+int block_values(quant_type t) {
+  int n = 0;
+  with_type(t, [&](auto c) { n = layout<decltype(c)::value>::block_values; });
+  return n;
+}
 
 bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
@@ -469,8 +657,9 @@ bool overlaps(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
 }
 
 void check_args(quant_type t, const void* w, int64_t n, const char* name) {
-  // q4_k reads 32-bit words of 144-byte blocks; the 32-value types read 16-bit words.
-  if (n % block_values(t) != 0 || !aligned(w, t == quant_type::q4_k ? 4 : 2))
+  // q4_k and q5_k read 32-bit words of 144- and 176-byte blocks; the others 16-bit words.
+  const bool words = t == quant_type::q4_k || t == quant_type::q5_k;
+  if (n % block_values(t) != 0 || !aligned(w, words ? 4 : 2))
     throw cuda_error(std::string(name) + ": length not a multiple of the block size, or misaligned weights");
 }
 
@@ -482,9 +671,44 @@ void check_bf16_args(const char* name, const bf16* w, int64_t n_in, const bf16* 
   if (!aligned(w, 16) || !aligned(x, 16)) throw cuda_error(n + ": w and x must be 16-byte aligned");
 }
 
+template <class Out>
+void gemv_quant_to(const char* name, quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, Out* y, int batch,
+                   cudaStream_t stream, int64_t ldy, int unroll) {
+  const std::string n = name;
+  if (batch < 1 || batch > max_batch) throw cuda_error(n + ": batch must be in [1, 8]");
+  check_args(t, w, n_in, name);
+  if (!aligned(x, 8)) throw cuda_error(n + ": x must be 8-byte aligned");
+  if (ldy == 0) ldy = n_out;
+  if (ldy < n_out) throw cuda_error(n + ": ldy must be 0 or at least n_out");
+  if (unroll != 1 && unroll != 4 && unroll != 8) throw cuda_error(n + ": unroll must be 1, 4 or 8");
+  if (n_out <= 0 || n_in <= 0) return;
+  if (overlaps(x, batch * n_in * 2, y, ((batch - 1) * ldy + n_out) * int64_t(sizeof(Out))))
+    throw cuda_error(n + ": y overlaps x (other CTAs still read x while one stores y)");
+  const auto blocks = unsigned((n_out + gemv_warps - 1) / gemv_warps);
+  with_type(t, [&](auto type) {
+    with_batch(batch, [&](auto b) {
+      constexpr quant_type T = decltype(type)::value;
+      constexpr int B = decltype(b)::value;
+      auto kernel = unroll == 8 ? gemv_kernel<T, B, Out, 8> : unroll == 4 ? gemv_kernel<T, B, Out, 4> : gemv_kernel<T, B, Out, 1>;
+      launch_ordinary(kernel, blocks, gemv_warps * 32, 0, stream, static_cast<const uint8_t*>(w), n_out, n_in, x, y, ldy);
+    });
+  });
+  check_launch(name);
+}
+
 }  // namespace
 
 int64_t norm_fold_parts(int64_t n_out) { return fold_parts(n_out); }
+
+void gemv_quant(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch,
+                cudaStream_t stream, int64_t ldy, int unroll) {
+  gemv_quant_to("gemv_quant", t, w, n_out, n_in, x, y, batch, stream, ldy, unroll);
+}
+
+void gemv_quant_f32(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, float* y, int batch,
+                    cudaStream_t stream, int64_t ldy, int unroll) {
+  gemv_quant_to("gemv_quant_f32", t, w, n_out, n_in, x, y, batch, stream, ldy, unroll);
+}
 
 void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream,
                int prefetch_bytes, const gemv_norm& norm) {
@@ -541,19 +765,26 @@ void gemv_bf16_rope_qkv(const bf16* w, int64_t n_in, const bf16* x, const qkv_ro
   check_launch("gemv_bf16_rope_qkv");
 }
 
-void gemv_quant(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch,
-                cudaStream_t stream) {
-  if (batch < 1 || batch > max_batch) throw cuda_error("gemv_quant: batch must be in [1, 8]");
-  check_args(t, w, n_in, "gemv_quant");
-  if (!aligned(x, 8)) throw cuda_error("gemv_quant: x must be 8-byte aligned");
-  if (n_out <= 0 || n_in <= 0) return;
-  switch (t) {
-    case quant_type::q8_0: gemv_typed<quant_type::q8_0>(w, n_out, n_in, x, y, batch, stream); break;
-    case quant_type::q4_0: gemv_typed<quant_type::q4_0>(w, n_out, n_in, x, y, batch, stream); break;
-    case quant_type::q4_k: gemv_typed<quant_type::q4_k>(w, n_out, n_in, x, y, batch, stream); break;
-    case quant_type::q4_1: gemv_typed<quant_type::q4_1>(w, n_out, n_in, x, y, batch, stream); break;
-  }
-  check_launch("gemv_quant");
+size_t quant_row_bytes(quant_type t, int64_t n_in) {
+  size_t bytes = 0;
+  with_type(t, [&](auto c) {
+    using L = layout<decltype(c)::value>;
+    bytes = size_t(n_in / L::block_values) * L::block_bytes;
+  });
+  return bytes;
+}
+
+void fill_random_blocks(quant_type t, void* w, int64_t n, float stddev, uint64_t seed, cudaStream_t stream) {
+  check_args(t, w, n, "fill_random_blocks");
+  if (n <= 0) return;
+  const int64_t n_blocks = n / block_values(t), halves = int64_t(quant_row_bytes(t, n)) / 2;
+  const auto grid = [](int64_t items) { return unsigned(std::min<int64_t>((items + 255) / 256, 65535 * 8)); };
+  launch_ordinary(fill_random_bytes_kernel, grid(halves), 256, 0, stream, static_cast<uint16_t*>(w), halves, seed);
+  with_type(t, [&](auto c) {
+    launch_ordinary(fill_block_scales_kernel<decltype(c)::value>, grid(n_blocks), 256, 0, stream, static_cast<uint8_t*>(w), n_blocks,
+                    stddev);
+  });
+  check_launch("fill_random_blocks");
 }
 
 void dequant_to_bf16(quant_type t, const void* w, int64_t n, bf16* out, cudaStream_t stream) {
@@ -564,12 +795,9 @@ void dequant_to_bf16(quant_type t, const void* w, int64_t n, bf16* out, cudaStre
   const int64_t want = (n_units + dequant_threads - 1) / dequant_threads;
   const auto blocks = unsigned(want < 65535 ? want : 65535);
   const auto* src = static_cast<const uint8_t*>(w);
-  switch (t) {
-    case quant_type::q8_0: launch_ordinary(dequant_kernel<quant_type::q8_0>, blocks, dequant_threads, 0, stream, src, n_units, out); break;
-    case quant_type::q4_0: launch_ordinary(dequant_kernel<quant_type::q4_0>, blocks, dequant_threads, 0, stream, src, n_units, out); break;
-    case quant_type::q4_k: launch_ordinary(dequant_kernel<quant_type::q4_k>, blocks, dequant_threads, 0, stream, src, n_units, out); break;
-    case quant_type::q4_1: launch_ordinary(dequant_kernel<quant_type::q4_1>, blocks, dequant_threads, 0, stream, src, n_units, out); break;
-  }
+  with_type(t, [&](auto type) {
+    launch_ordinary(dequant_kernel<decltype(type)::value>, blocks, dequant_threads, 0, stream, src, n_units, out);
+  });
   check_launch("dequant_to_bf16");
 }
 

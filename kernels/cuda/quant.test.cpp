@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -32,7 +33,24 @@ const type_info types[] = {
     {quant_type::q4_0, cpu::dtype::q4_0, 32, int(sizeof(cpu::block_q4_0))},
     {quant_type::q4_1, cpu::dtype::q4_1, 32, int(sizeof(cpu::block_q4_1))},  // the default model's type
     {quant_type::q4_k, cpu::dtype::q4_k, 256, int(sizeof(cpu::block_q4_k))},
+    {quant_type::q5_k, cpu::dtype::q5_k, 256, int(sizeof(cpu::block_q5_k))},
+    {quant_type::q6_k, cpu::dtype::q6_k, 256, int(sizeof(cpu::block_q6_k))},  // Q4_K_M's attn_v / ffn_down mix
 };
+
+/// Bytes of n values of ti's blocks.
+size_t kc_row_bytes(const type_info& ti, int64_t n) { return size_t(n / ti.block_values * ti.block_bytes); }
+
+/// Byte offsets of a block's fp16 scales: d first, then q4_1's m or the k-quants' dmin; q6_k's d
+/// is its last two bytes.
+std::vector<int> scale_offsets(quant_type t) {
+  switch (t) {
+    case quant_type::q4_1:
+    case quant_type::q4_k:
+    case quant_type::q5_k: return {0, 2};
+    case quant_type::q6_k: return {int(offsetof(cpu::block_q6_k, d))};
+    default: return {0};
+  }
+}
 
 /// n_blocks random blocks: every byte random except the fp16 scales, small and finite, of either
 /// sign (ggml's q4_0 quantizer stores d = max / -8, negative for a positive extreme).
@@ -42,10 +60,9 @@ std::vector<uint8_t> random_blocks(const type_info& ti, int64_t n_blocks, std::m
   std::uniform_real_distribution<float> scale(0.001f, 0.02f);
   for (int64_t b = 0; b < n_blocks; ++b) {
     uint8_t* blk = &raw[size_t(b * ti.block_bytes)];
-    const int n_scales = ti.t == quant_type::q4_k || ti.t == quant_type::q4_1 ? 2 : 1;  // q4_k: d, dmin; q4_1: d, m
-    for (int s = 0; s < n_scales; ++s) {
+    for (const int at : scale_offsets(ti.t)) {
       const uint16_t h = cpu::f32_to_fp16((g() & 1) ? scale(g) : -scale(g));
-      std::memcpy(blk + 2 * s, &h, 2);
+      std::memcpy(blk + at, &h, 2);
     }
   }
   return raw;
@@ -98,7 +115,8 @@ TEST_CASE("gemv_quant matches dequantized weights times bf16 activations", "[cud
   std::mt19937_64 g(seed);
   for (const auto& ti : types) {
     for (const int64_t n_out : {int64_t{1003}, int64_t{3}}) {  // 3: fewer rows than one thread block
-      const int64_t n_in = ti.block_values == 256 ? 1280 : 576;
+      // 9 units of 8 weights a lane and a bit: unrolled by 4 and 8, a main loop and a tail
+      const int64_t n_in = ti.block_values == 256 ? 2304 : 2336;
       const int64_t row_blocks = n_in / ti.block_values;
       const auto raw = random_blocks(ti, n_out * row_blocks, g);
       std::vector<float> w(size_t(n_out * n_in));
@@ -112,7 +130,22 @@ TEST_CASE("gemv_quant matches dequantized weights times bf16 activations", "[cud
         gemv_quant(ti.t, d_w.p, n_out, n_in, d_x.p, d_y.p, batch, nullptr);
         const std::vector<float> want = reference_gemv(w, x, batch, n_out, n_in);
         INFO("type " << int(ti.t) << " n_out " << n_out << " batch " << batch);
-        CHECK(normalized_error(from_bf16(d_y.download()), want) <= 1e-2);
+        const std::vector<float> got = from_bf16(d_y.download());
+        CHECK(normalized_error(got, want) <= 1e-2);
+        // fp32 outputs (the output head's logits): the same sums, before their rounding to bf16.
+        dev_buf<float> d_y32(size_t(batch * n_out));
+        d_y32.poison();
+        gemv_quant_f32(ti.t, d_w.p, n_out, n_in, d_x.p, d_y32.p, batch, nullptr);
+        const std::vector<float> got32 = d_y32.download();
+        CHECK(round_bf16(got32) == got);
+        CHECK(normalized_error(got32, want) <= 1e-4);
+        // Loads of 4 or 8 units in flight a lane: the same sums in the same order.
+        for (const int unroll : {4, 8}) {
+          d_y32.poison();
+          gemv_quant_f32(ti.t, d_w.p, n_out, n_in, d_x.p, d_y32.p, batch, nullptr, 0, unroll);
+          INFO("unroll " << unroll);
+          CHECK(d_y32.download() == got32);
+        }
       }
     }
   }
@@ -372,11 +405,84 @@ TEST_CASE("gemv_bf16_streamed matches bf16 weights times bf16 activations, repea
   CHECK_THROWS_AS(gemv_bf16_streamed(w.p, 4, 512, x.p, y.p, 1, nullptr, {1, 8, 65536}), cuda_error);  // 512 KiB
 }
 
+TEST_CASE("gemv_quant writes a fused matrix's parts of several types into one output (ldy)", "[cuda]") {
+  // As Q4_K_M's fused q|k|v of some layers: q and k q4_k, v q6_k, each part's GEMV writing its
+  // columns of the [batch, n_q + 2 n_kv] output; the columns of the other parts stay as they were.
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 g(seed);
+  const int64_t n_in = 512, rows[3] = {67, 29, 29}, ld = 67 + 29 + 29;
+  const type_info* part_types[3] = {&types[3], &types[3], &types[5]};
+  std::vector<std::vector<float>> w(3);
+  std::vector<dev_buf<uint8_t>> d_w;
+  for (int p = 0; p < 3; ++p) {
+    const type_info& ti = *part_types[p];
+    const auto raw = random_blocks(ti, rows[p] * (n_in / 256), g);
+    w[p].resize(size_t(rows[p] * n_in));
+    for (int64_t o = 0; o < rows[p]; ++o)
+      cpu::dequantize_row(ti.dt, &raw[size_t(o * (n_in / 256) * ti.block_bytes)], &w[p][size_t(o * n_in)], n_in);
+    d_w.emplace_back(raw);
+  }
+  for (const int batch : {1, 5}) {
+    const auto x = round_bf16(random_floats(size_t(batch * n_in), g));
+    dev_buf<bf16> d_x(to_bf16(x)), d_y(size_t(batch * ld));
+    d_y.poison();
+    std::vector<bf16> before = d_y.download();
+    int64_t col = 0;
+    for (int p = 0; p < 3; ++p) {
+      gemv_quant(part_types[p]->t, d_w[p].p, rows[p], n_in, d_x.p, d_y.p + col, batch, nullptr, ld);
+      const std::vector<bf16> after = d_y.download();
+      const std::vector<float> all = from_bf16(after);
+      std::vector<float> got(size_t(batch * rows[p]));
+      for (int b = 0; b < batch; ++b)
+        for (int64_t o = 0; o < ld; ++o) {
+          const size_t i = size_t(b * ld + o);
+          if (o >= col && o < col + rows[p]) {
+            got[size_t(b * rows[p] + (o - col))] = all[i];
+          } else {
+            INFO("part " << p << " batch " << batch << ": column " << o << " of row " << b << " outside the part");
+            REQUIRE(std::memcmp(&after[i], &before[i], sizeof(bf16)) == 0);
+          }
+        }
+      INFO("part " << p << " batch " << batch);
+      CHECK(normalized_error(got, reference_gemv(w[p], x, batch, rows[p], n_in)) <= 1e-2);
+      before = after;
+      col += rows[p];
+    }
+  }
+}
+
+TEST_CASE("fill_random_blocks: valid blocks of the asked standard deviation, mean near 0, seeded", "[cuda]") {
+  for (const auto& ti : types) {
+    INFO("type " << int(ti.t));
+    const int64_t n = 256 * 512;
+    const float stddev = 0.02f;
+    dev_buf<uint8_t> a(kc_row_bytes(ti, n)), b(kc_row_bytes(ti, n)), c(kc_row_bytes(ti, n));
+    REQUIRE(quant_row_bytes(ti.t, n) == a.n);
+    fill_random_blocks(ti.t, a.p, n, stddev, 5, nullptr);
+    fill_random_blocks(ti.t, b.p, n, stddev, 5, nullptr);
+    fill_random_blocks(ti.t, c.p, n, stddev, 6, nullptr);
+    const std::vector<uint8_t> raw = a.download();
+    CHECK(raw == b.download());
+    CHECK(raw != c.download());
+    std::vector<float> w(static_cast<size_t>(n));
+    cpu::dequantize_row(ti.dt, raw.data(), w.data(), n);
+    double sum = 0.0, sq = 0.0;
+    for (const float v : w) sum += v, sq += double(v) * v;
+    const double mean = sum / double(n), sd = std::sqrt(sq / double(n) - mean * mean);
+    CHECK(std::fabs(mean) < 0.05 * stddev);
+    CHECK(std::fabs(sd - stddev) < 0.05 * stddev);  // fp16 scales: within a few parts in 1,000 of it
+  }
+}
+
 TEST_CASE("gemv_quant rejects bad batch sizes and lengths", "[cuda]") {
   dev_buf<uint8_t> w(size_t(34 * 4));
   dev_buf<bf16> x(size_t(9 * 64)), y(size_t(9 * 2));
   CHECK_THROWS_AS(gemv_quant(quant_type::q8_0, w.p, 2, 64, x.p, y.p, 9, nullptr), cuda_error);
   CHECK_THROWS_AS(gemv_quant(quant_type::q8_0, w.p, 2, 48, x.p, y.p, 1, nullptr), cuda_error);
+  CHECK_THROWS_AS(gemv_quant(quant_type::q8_0, w.p, 2, 64, x.p, y.p, 1, nullptr, 1), cuda_error);  // ldy < n_out
+  CHECK_THROWS_AS(gemv_quant(quant_type::q6_k, w.p, 2, 128, x.p, y.p, 1, nullptr), cuda_error);   // half a super-block
+  CHECK_THROWS_AS(gemv_quant(quant_type::q8_0, w.p, 2, 64, x.p, y.p, 1, nullptr, 0, 2), cuda_error);  // unroll 1, 4 or 8
 }
 
 TEST_CASE("dequant_to_bf16 equals the CPU dequantization rounded to bf16", "[cuda]") {

@@ -258,6 +258,11 @@ def test_generator_writes_llamacpp_layout(tiny_dir):
         for t in r.tensors:
             want = "F32" if len(t.shape) == 1 or t.name.endswith("ffn_gate_inp.weight") else (
                 spec.embd_type if t.name in ("token_embd.weight", "output.weight") else spec.qtype)
+            # llama.cpp's K_M mix: the head, and V and down of layers 0, 2, ... at more bits
+            part = t.name.split(".")
+            if spec.mix == "k_m" and (t.name == "output.weight" or (
+                    part[0] == "blk" and int(part[1]) % 2 == 0 and part[2] in ("attn_v", "ffn_down"))):
+                want = "q6_k"
             assert t.tensor_type.name == want.upper(), (name, t.name)
         if spec.n_expert:  # Mixtral's layout: a router and three expert stacks per layer, no dense FFN
             assert kv[f"{a}.expert_count"] == spec.n_expert and kv[f"{a}.expert_used_count"] == spec.n_expert_used
