@@ -10,7 +10,8 @@
 // writes; ours call it first thing (a GEMV that loaded its first weights before it held more
 // registers and ran slower: docs/perf.md §4b), so what overlaps is the launch and scheduling of
 // the next kernel's CTAs. Exceptions, all on weights: the optional L2 prefetch (prefetch_bytes) of
-// gemv_bf16, gemv_bf16_swiglu and gemv_bf16_rope_qkv, and gemv_bf16_streamed's first bulk copies. Without the attribute (no scope, another architecture) both calls are
+// gemv_bf16, gemv_bf16_swiglu and gemv_bf16_rope_qkv, gemv_bf16_streamed's first bulk copies, and
+// an unrolled gemv_quant's first loads. Without the attribute (no scope, another architecture) both calls are
 // no-ops and the launch is an ordinary one.
 #pragma once
 

@@ -297,11 +297,15 @@ __device__ __forceinline__ void unit_dots(const unit& q, const bf16* __restrict_
 // One warp per output row; lane l takes units l, l + 32, ... in order. Unroll > 1: the loads of
 // Unroll units (layout::load) are issued before the first is decoded, so a lane has Unroll units'
 // quants and scales in flight rather than one (the same sums in the same order: the same bits).
+// Under programmatic dependent launch (launch.cuh) it waits for the kernel ahead before reading x
+// or writing y; unrolled, the first Unroll units' weight loads (no kernel writes weights) go out
+// before that wait, so HBM streams while the kernel ahead finishes.
 template <quant_type T, int B, class Out, int Unroll>
 __global__ void __launch_bounds__(gemv_warps * 32) gemv_kernel(const uint8_t* __restrict__ w, int64_t n_out, int64_t n_in,
                                                                const bf16* __restrict__ x, Out* __restrict__ y,
                                                                int64_t ldy) {
   using L = layout<T>;
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int64_t o = int64_t(blockIdx.x) * gemv_warps + (threadIdx.x >> 5);
   if (o >= n_out) return;  // whole warps leave together
@@ -311,6 +315,7 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_kernel(const uint8_t* __
 #pragma unroll
   for (int b = 0; b < B; ++b) acc[b] = 0.0f;
   int64_t u = lane;
+  bool waited = false;
   if constexpr (Unroll > 1) {
     for (; u + 32 * (Unroll - 1) < n_units; u += 32 * Unroll) {
       typename L::raw r[Unroll];
@@ -319,6 +324,7 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_kernel(const uint8_t* __
         const int64_t uk = u + 32 * k;
         r[k] = L::load(row + uk / L::units_per_block * L::block_bytes, int(uk % L::units_per_block));
       }
+      if (!waited) pdl_wait(), waited = true;
 #pragma unroll
       for (int k = 0; k < Unroll; ++k) {
         const int64_t uk = u + 32 * k;
@@ -326,6 +332,7 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_kernel(const uint8_t* __
       }
     }
   }
+  if (!waited) pdl_wait();
   for (; u < n_units; u += 32) {
     const int64_t blk = u / L::units_per_block;
     unit_dots<B>(decode_unit<T>(row + blk * L::block_bytes, int(u % L::units_per_block), blk * L::block_values), x, n_in, acc);
@@ -690,7 +697,7 @@ void gemv_quant_to(const char* name, quant_type t, const void* w, int64_t n_out,
       constexpr quant_type T = decltype(type)::value;
       constexpr int B = decltype(b)::value;
       auto kernel = unroll == 8 ? gemv_kernel<T, B, Out, 8> : unroll == 4 ? gemv_kernel<T, B, Out, 4> : gemv_kernel<T, B, Out, 1>;
-      launch_ordinary(kernel, blocks, gemv_warps * 32, 0, stream, static_cast<const uint8_t*>(w), n_out, n_in, x, y, ldy);
+      launch(kernel, blocks, gemv_warps * 32, 0, stream, static_cast<const uint8_t*>(w), n_out, n_in, x, y, ldy);
     });
   });
   check_launch(name);

@@ -475,6 +475,45 @@ TEST_CASE("fill_random_blocks: valid blocks of the asked standard deviation, mea
   }
 }
 
+TEST_CASE("gemv_quant under programmatic dependent launch: a chain of two equals plain launches bit for bit", "[cuda]") {
+  // The second GEMV reads what the first writes: launched programmatically (the forward's way) it
+  // may start before the first ends, and must not read x before its pdl_wait(); unrolled, it
+  // loads its first weights before that wait. Rows of 8 units a lane: the unrolled loop runs.
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 g(seed);
+  // The emulation starts the second early about one chain in four on a stream of its own (the
+  // legacy stream runs each kernel at once), so each programmatic case runs 8 times.
+  const int64_t n_in = 2048, n_mid = 2048, n_out = 37;
+  dev_buf<uint8_t> w1(random_blocks(types[3], n_mid * n_in / 256, g)), w2(random_blocks(types[5], n_out * n_mid / 256, g));
+  cudaStream_t stream = nullptr;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  for (const int batch : {1, 3}) {
+    dev_buf<bf16> x(to_bf16(round_bf16(random_floats(size_t(batch * n_in), g)))), mid(size_t(batch * n_mid)),
+        y(size_t(batch * n_out));
+    std::vector<bf16> first;
+    for (const int unroll : {1, 4, 8})
+      for (int run = 0; run < 9; ++run) {
+        const bool pdl = run > 0;
+        mid.poison();  // an early read of x sees NaN
+        y.poison();
+        {
+          const pdl_scope scope(pdl);
+          gemv_quant(quant_type::q4_k, w1.p, n_mid, n_in, x.p, mid.p, batch, stream, 0, unroll);
+          gemv_quant(quant_type::q6_k, w2.p, n_out, n_mid, mid.p, y.p, batch, stream, 0, unroll);
+        }
+        check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+        const std::vector<bf16> got = y.download();
+        INFO("batch " << batch << " unroll " << unroll << " pdl " << pdl);
+        const std::vector<float> values = from_bf16(got);
+        REQUIRE(std::all_of(values.begin(), values.end(), [](float v) { return std::isfinite(v); }));
+        if (first.empty()) first = got;
+        CHECK(std::memcmp(got.data(), first.data(), got.size() * sizeof(bf16)) == 0);
+      }
+  }
+  check(cudaStreamDestroy(stream), "cudaStreamDestroy");
+}
+
 TEST_CASE("gemv_quant rejects bad batch sizes and lengths", "[cuda]") {
   dev_buf<uint8_t> w(size_t(34 * 4));
   dev_buf<bf16> x(size_t(9 * 64)), y(size_t(9 * 2));
