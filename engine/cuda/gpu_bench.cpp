@@ -572,9 +572,9 @@ void run(const args& a) {
     f->set_launch_options(o.launch);
   }
 
-  // Quantized layer weights decoded from their blocks (gemv_quant, up to 8 rows): the
-  // architecture as llama.cpp's Q4_K_M and Q8_0 files hold it (random blocks, output head bf16),
-  // the bf16 model freed first. Roofline: this model's bytes a step reads over the copy rate.
+  // Quantized weights decoded from their blocks (gemv_quant, up to 8 rows): the architecture as
+  // llama.cpp's Q4_K_M and Q8_0 files hold it (random blocks, the head too; embeddings bf16), the
+  // bf16 model freed first. Roofline: this model's bytes a step reads over the copy rate.
   if (device_lost) return;
   f.reset();
   for (const auto& [q, tag] : {std::pair{ec::synthetic_quant::q4_k_m, "q4_k_m"}, {ec::synthetic_quant::q8_0, "q8_0"}}) {
