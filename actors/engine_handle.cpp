@@ -219,7 +219,7 @@ std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {
   p->scheduler = spawn_scheduler(*p->sys, scm);
   executor_config ec{p->model, o.n_threads, shape, n_dev, n_host, o.cuda_device, o.tensor_parallel, o.pipeline_parallel, o.expert_parallel,
                      sc.max_batched_tokens, sc.max_num_seqs, sc.max_model_len, o.fail_executor_start,
-                     o.emulate_device_sampling, o.cuda_graphs, o.cuda_fused_decode, o.step_timeout_s};
+                     o.emulate_device_sampling, o.cuda_graphs, o.cuda_fused_decode, o.step_timeout_s, o.on_backend_up};
   if (o.local_executor)
     p->supervisor = p->sys->spawn(supervisor_actor, p->scheduler, ec,
                                   supervision{o.max_restarts, o.restart_window_s, o.step_timeout_s, o.executor_stop_timeout_s, o.circuit_reset_s,

@@ -128,6 +128,11 @@ struct engine_options {
   // for it), with the reason requests are refused with. Must not block. The circuit is open by
   // then, whether or not this is set.
   std::function<void(const std::string&)> on_device_lost;
+  // Called on an actor thread each time a local executor has built its backend (a restart
+  // included): element r - 1 is the weight bytes a step of r token rows reads there (r up to
+  // max_num_seqs), in the form that device holds and multiplies them at r rows (a CUDA device
+  // reads a quantized file's blocks in small steps, bf16 above). troupe bench's roofline.
+  std::function<void(const std::vector<size_t>&)> on_backend_up;
   double start_timeout_s = 600;  // longest wait for the executor to build its backend (weights, KV)
   std::string fail_executor_start;  // tests: building the executor's backend throws this text
   // Data-parallel replicas (CAF middleman). Plain TCP unless the TLS files are named: bind and

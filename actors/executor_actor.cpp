@@ -55,6 +55,8 @@ class backend {
   }
   /// After `failure`: empty, or why the device can take no more work in this process.
   virtual std::string device_lost(const std::exception_ptr& /*failure*/) const { return {}; }
+  /// Weight bytes a step of `rows` token rows reads (executor_config::on_backend_up).
+  virtual size_t step_weight_bytes(int rows) const = 0;
 };
 
 // The model's weights on the host, which a dummy model for a CUDA device lacks.
@@ -71,6 +73,7 @@ class cpu_backend final : public backend {
   explicit cpu_backend(const executor_config& c)
       : emulate_device_sampling_(c.emulate_device_sampling),
         n_vocab_((size_t)c.model->hparams().n_vocab),
+        weight_bytes_(c.model->weight_bytes_per_token()),
         fwd_(with_host_weights(*c.model), {c.tensor_parallel, c.pipeline_parallel, c.expert_parallel}, c.kv, c.n_device_blocks, c.n_host_blocks,
              c.n_threads) {}
 
@@ -104,10 +107,13 @@ class cpu_backend final : public backend {
     }
     return tokens;
   }
+  // The file's types whatever the step: the CPU kernels read the blocks at every batch size.
+  size_t step_weight_bytes(int) const override { return weight_bytes_; }
 
  private:
   bool emulate_device_sampling_;
   size_t n_vocab_;
+  size_t weight_bytes_;
   engine::split_forward fwd_;
 };
 
@@ -140,6 +146,7 @@ class cuda_backend final : public backend {
     return fwd_->forward_sample(batch, params_, histories_);
   }
   std::string device_lost(const std::exception_ptr& failure) const override { return fwd_->device_lost(failure); }
+  size_t step_weight_bytes(int rows) const override { return fwd_->step_weight_bytes(rows); }
 
  private:
   static engine::device_forward_options options(const executor_config& c) {
@@ -220,6 +227,11 @@ caf::behavior executor_actor(caf::event_based_actor* self, executor_config cfg, 
     if (!lost.empty()) self->send<caf::message_priority::high>(supervisor, lost_atom::value, exit_text(self->system(), err), lost);
     return err;
   });
+  if (cfg.on_backend_up) {
+    std::vector<size_t> bytes;
+    for (int rows = 1; rows <= std::max(cfg.max_seqs, 1); ++rows) bytes.push_back(st->dev->step_weight_bytes(rows));
+    cfg.on_backend_up(bytes);
+  }
   self->send(supervisor, up_atom::value);
   return {
       [=](step_atom, step_work& w) -> step_output {

@@ -123,6 +123,8 @@ struct executor_config {
   bool cuda_graphs = true;         // CUDA: decode steps from CUDA graphs
   bool cuda_fused_decode = false;  // CUDA: the fused decode launches
   double step_timeout_s = 120;     // CUDA: also the longest wait for the device (a hung kernel fails the step)
+  // engine_options::on_backend_up.
+  std::function<void(const std::vector<size_t>&)> on_backend_up;
 };
 
 /// Payload of the shared stats reply.

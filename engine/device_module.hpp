@@ -49,6 +49,9 @@ class device_forward {
   virtual std::vector<token_id> forward_sample(std::span<const seq_chunk> batch, std::span<const device_sample_params> params,
                                                std::span<const std::span<const int32_t>> histories) = 0;
   virtual int max_logit_rows() const = 0;
+  /// Weight bytes a step of `rows` token rows reads in the form the device holds them
+  /// (engine::cuda::cuda_forward::step_weight_bytes): a memory-bound step's roofline.
+  virtual size_t step_weight_bytes(int rows) const = 0;
   virtual int max_history_tokens() const = 0;
   /// After `failure` (an exception this forward threw): empty while the device still takes work;
   /// else why not — a wait for the device that timed out (work that never ends), or the sticky error
@@ -73,7 +76,7 @@ double cuda_copy_bandwidth(int device, size_t bytes, int reps);
 
 /// The module's entry points (C linkage, looked up by name; the version guards against a module
 /// from another build).
-inline constexpr int cuda_module_abi = 7;
+inline constexpr int cuda_module_abi = 8;
 extern "C" {
 using cuda_module_abi_fn = int (*)();
 using cuda_module_device_count_fn = int (*)();

@@ -2,9 +2,10 @@
 // streams through the in-process engine handle (actors, continuous batching): aggregate decode
 // tokens/s and TTFT / inter-token / end-to-end latency percentiles, next to the memory-bound
 // roofline of a step at the batch size reached: on the CPU the weights as the file holds them over
-// the host's copy rate (and the int8 kernels' compute rate), on a CUDA device the weights as bf16
-// (what its GEMMs read above gemv_max_batch rows, and all a dummy model has) over the device's
-// copy rate, measured before the engine starts.
+// the host's copy rate (and the int8 kernels' compute rate), on a CUDA device the weights in the
+// form it reads them at that batch (a quantized file's blocks up to gemv_max_batch rows, bf16
+// above and for a dummy model; the executor's backend reports it) over the device's copy rate,
+// measured before the engine starts.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -99,6 +100,15 @@ int run_load_bench(const load_opts& o) {
   eo.tensor_parallel = ec.tensor_parallel;
   eo.expert_parallel = ec.expert_parallel;
   probe.reset();
+  // The weight bytes a step of r rows reads on the executor's backend (its table, r up to
+  // max_num_seqs): a CUDA device holds bf16 weights, but reads a quantized file's blocks in steps
+  // of up to 8 rows.
+  std::mutex step_bytes_mu;
+  std::vector<size_t> step_bytes;
+  eo.on_backend_up = [&](const std::vector<size_t>& b) {
+    const std::lock_guard lock(step_bytes_mu);
+    step_bytes = b;
+  };
   const bool on_device = eo.cuda_device >= 0;
   // The device's copy rate while its memory is still free: 1 GiB copies, best of 5.
   const double device_bw = on_device ? engine::cuda_copy_bandwidth(eo.cuda_device, size_t{1} << 30, 5) / 1e9 : 0;
@@ -113,7 +123,12 @@ int run_load_bench(const load_opts& o) {
       for (const auto* w : {&l.expert_gate[0], &l.expert_up[0], &l.expert_down[0]})
         n_params += m.hparams().n_experts_used * w->n_in * w->n_out;
   }
-  const size_t weight_bytes = on_device ? (size_t)n_params * 2 : m.weight_bytes_per_token();
+  size_t weight_bytes = 0;
+  {
+    const std::lock_guard lock(step_bytes_mu);
+    if (step_bytes.empty()) throw std::runtime_error("troupe bench: the executor reported no step sizes");
+    weight_bytes = step_bytes[(size_t)std::min(o.concurrency, (int)step_bytes.size()) - 1];
+  }
 
   struct record {
     double ttft = 0, e2e = 0;
@@ -180,7 +195,7 @@ int run_load_bench(const load_opts& o) {
   const double tok_s = (double)n_tok / wall;
   if (o.json) {
     std::printf("{\"concurrency\":%d,\"requests\":%d,\"ok\":%lld,\"prompt_len\":%d,\"gen_len\":%d,\"threads\":%d,"
-                "\"tok_s\":%.2f,\"req_s\":%.3f,\"copy_gbs\":%.1f,\"weight_gb\":%.3f,\"ttft_p50_ms\":%.2f,\"ttft_p99_ms\":%.2f,\"itl_p50_ms\":%.2f,\"itl_p99_ms\":%.2f,"
+                "\"tok_s\":%.2f,\"req_s\":%.3f,\"copy_gbs\":%.1f,\"weight_gb\":%.6f,\"ttft_p50_ms\":%.2f,\"ttft_p99_ms\":%.2f,\"itl_p50_ms\":%.2f,\"itl_p99_ms\":%.2f,"
                 "\"e2e_p50_ms\":%.1f,\"e2e_p99_ms\":%.1f,\"roofline_tok_s\":%.1f,\"mem_roofline_tok_s\":%.1f,\"compute_roofline_tok_s\":%.1f,\"kernel_gflops\":%.1f,\"preemptions\":%lld,"
                 "\"steps\":%lld,\"steps_ahead\":%lld,\"admitted_ahead\":%lld,\"itl_capped_steps\":%lld,\"sched_us_per_step\":%.1f}\n",
                 o.concurrency, o.requests, (long long)n_ok, o.prompt_len, o.gen_len, ec.n_threads, tok_s, n_ok / wall, bw,
@@ -195,7 +210,7 @@ int run_load_bench(const load_opts& o) {
       std::printf("roofline   %10.0f tok/s   at batch %d (memory %.0f: %.1f GB/s copy; compute %.0f: %.0f GFLOP/s kernels)\n",
                   roof_tok_s, o.concurrency, mem_roof, bw, compute_roof, gflops);
     else
-      std::printf("roofline   %10.0f tok/s   at batch %d (memory: %.2f GB of bf16 weights a step / %.0f GB/s device copy)\n",
+      std::printf("roofline   %10.0f tok/s   at batch %d (memory: %.2f GB of weights a step, as the device reads them / %.0f GB/s device copy)\n",
                   roof_tok_s, o.concurrency, (double)weight_bytes / 1e9, bw);
     std::printf("TTFT ms    p50 %8.1f   p99 %8.1f\n", pct(ttft, 50), pct(ttft, 99));
     std::printf("ITL ms     p50 %8.2f   p99 %8.2f\n", pct(itl, 50), pct(itl, 99));

@@ -383,6 +383,33 @@ bool cuda_forward::bf16_gemv(const dev_matrix& w, int rows) const {
 
 bool cuda_forward::quant_gemv(const dev_matrix& w, int rows) const { return !w.raw.empty() && rows <= gemv_max_batch; }
 
+size_t cuda_forward::step_weight_bytes(int rows) const {
+  // decode_bytes_per_token counts the blocks of every matrix that keeps them: a step that does
+  // not take gemv_quant reads the bf16 form instead.
+  size_t bytes = decode_bytes_per_token();
+  auto as_bf16 = [&](const dev_matrix& w) {
+    if (!w.raw.empty() && !quant_gemv(w, rows)) bytes += (size_t)(w.n_out * w.n_in) * sizeof(bf16) - w.raw_bytes();
+  };
+  for (int il = 0; il < hparams().n_layers; ++il) {
+    const dev_layer& L = weights_.layer(il);
+    for (const dev_matrix* w : {&L.qkv, &L.o, &L.gate_up, &L.down}) as_bf16(*w);
+  }
+  as_bf16(weights_.output());
+  return bytes;
+}
+
+std::optional<kc::quant_matrix> cuda_forward::fused_quant(const dev_matrix& w, int rows) const {
+  if (!quant_gemv(w, rows) || w.raw.size() > std::size(kc::quant_matrix{}.raw)) return std::nullopt;
+  kc::quant_matrix m;
+  m.qt = w.raw[0].qt;
+  for (const raw_part& p : w.raw) {
+    if (p.qt != m.qt) return std::nullopt;  // a K_M layer's q4_k Q|K with a q6_k V: part by part
+    m.raw[m.n_parts] = p.raw;
+    m.row0[m.n_parts++] = p.row0;
+  }
+  return m;
+}
+
 bool cuda_forward::streamed_gemv(const dev_matrix& w, int rows) const {
   return opt_.launch.bf16_gemv_streamed && rows <= 2 && w.n_in % 256 == 0 && bf16_gemv(w, rows);
 }
@@ -489,9 +516,11 @@ void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
     const dev_layer& L = weights_.layer(il);
     const kc::gemv_norm qkv_norm = il > 0 ? reader : kc::gemv_norm{};  // layer 0: after the embedding
     if (!(fold && il > 0)) kc::add_rmsnorm(x, il == 0 ? nullptr : y, L.attn_norm, h, n, d, hp.norm_eps, s);
+    rope.bq = L.bq, rope.bk = L.bk, rope.bv = L.bv, rope.layer = il;
     if (opt_.launch.gemv_rope && plain_gemv(L.qkv, n)) {
-      rope.bq = L.bq, rope.bk = L.bk, rope.bv = L.bv, rope.layer = il;
       kc::gemv_bf16_rope_qkv(L.qkv.w, L.qkv.n_in, h, rope, s, prefetch, qkv_norm);
+    } else if (const auto blocks = opt_.launch.gemv_rope ? fused_quant(L.qkv, n) : std::nullopt) {
+      kc::gemv_quant_rope_qkv(*blocks, L.qkv.n_in, h, rope, s, opt_.launch.quant_gemv_unroll);
     } else {
       linear(L.qkv, h, qkv_.as<bf16>(), n, s, qkv_norm);
       kc::rope_qkv_store(qkv_.as<bf16>(), L.bq, L.bk, L.bv, rp, st, kv, il, q_.as<bf16>(), s);
@@ -503,6 +532,8 @@ void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
     if (!fold) kc::add_rmsnorm(x, y, L.ffn_norm, h, n, d, hp.norm_eps, s);
     if (opt_.launch.gemv_swiglu && plain_gemv(L.gate_up, n)) {
       kc::gemv_bf16_swiglu(L.gate_up.w, hp.d_ff, d, h, act_.as<bf16>(), n, s, prefetch, reader);
+    } else if (const auto blocks = opt_.launch.gemv_swiglu ? fused_quant(L.gate_up, n) : std::nullopt) {
+      kc::gemv_quant_swiglu(*blocks, hp.d_ff, d, h, act_.as<bf16>(), n, s, opt_.launch.quant_gemv_unroll);
     } else {
       linear(L.gate_up, h, gu_.as<bf16>(), n, s, reader);
       kc::swiglu(gu_.as<bf16>(), act_.as<bf16>(), n, hp.d_ff, s);

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -69,8 +70,9 @@ struct launch_options {
   bool pdl = true;
   /// The gate|up GEMV of such steps applies SwiGLU to its own outputs
   /// (kernels::cuda::gemv_bf16_swiglu: the same bits, one launch and the gate|up round trip fewer
-  /// per layer). Not with the streamed GEMV. Off until a device measures it (troupe_gpu_bench's
-  /// decode_b1_fused).
+  /// per layer). Not with the streamed GEMV. Quantized gate|up blocks of one type: the same with
+  /// kernels::cuda::gemv_quant_swiglu. Off until a device measures it (troupe_gpu_bench's
+  /// decode_b1_fused, decode_q4_k_m_b1_fused).
   bool gemv_swiglu = false;
   /// Split-KV decode attention merges each row's splits in the last CTA to finish
   /// (attention_scratch::counters) instead of a second kernel: the same bits, one launch fewer per
@@ -89,8 +91,9 @@ struct launch_options {
   bool gemv_fold_norm = false;
   /// The qkv GEMV of such steps applies the biases, RoPE and the KV-cache write to its own
   /// outputs (kernels::cuda::gemv_bf16_rope_qkv: the same bits, one launch and the qkv round trip
-  /// fewer per layer). Not with the streamed GEMV. Off until a device measures it
-  /// (decode_b1_rope_only_*, and every *_fused_* line).
+  /// fewer per layer). Not with the streamed GEMV. Quantized QKV blocks of one type (not a K_M
+  /// layer's q4_k Q|K with a q6_k V): the same with kernels::cuda::gemv_quant_rope_qkv. Off until
+  /// a device measures it (decode_b1_rope_only_*, and every *_fused_* line).
   bool gemv_rope = false;
   /// Decode attention splits a row once longer than this many positions, each split keeping at
   /// least as many (kernels::cuda::attention_scratch::kv_per_split; at most
@@ -195,6 +198,10 @@ class cuda_forward {
   const void* host_block(int32_t b) const;
   /// Weight bytes a batch-1 decode step reads (see device_weights::decode_bytes_per_token).
   size_t decode_bytes_per_token() const { return weights_.decode_bytes_per_token(); }
+  /// Weight bytes a step of `rows` token rows reads: as decode_bytes_per_token, with each matrix
+  /// in the form this step multiplies it in (blocks up to gemv_max_batch rows where they are kept,
+  /// bf16 above: its copy, or the expansion of its blocks, counted as that copy's bytes).
+  size_t step_weight_bytes(int rows) const;
   /// Device bytes of weights, KV cache and scratch.
   size_t device_bytes() const;
   /// Changes the launch options for the next steps (waits for the device and drops the captured
@@ -230,6 +237,9 @@ class cuda_forward {
   const bf16* bf16_weights(const dev_matrix& w, cudaStream_t s);
   /// Whether linear() multiplies w for a step of `rows` rows with gemv_quant, part by part.
   bool quant_gemv(const dev_matrix& w, int rows) const;
+  /// Where quant_gemv holds and w's parts share one type: its blocks as the fused quantized GEMVs
+  /// (gemv_quant_swiglu, gemv_quant_rope_qkv) read them; else none (the unfused launches).
+  std::optional<kc::quant_matrix> fused_quant(const dev_matrix& w, int rows) const;
   /// Whether linear() multiplies w for a step of `rows` rows with gemv_bf16 (or, streamed_gemv,
   /// gemv_bf16_streamed) rather than cuBLASLt; quantized matrices kept raw take gemv_quant first.
   bool bf16_gemv(const dev_matrix& w, int rows) const;

@@ -198,9 +198,16 @@ TEST_CASE("CUDA forward: a Q4_K_M mix (q4_k layers, q6_k V and down in some) dec
   }
   ec::cuda_options quant = small_options(64), bf16 = quant;
   bf16.weights.mode = ec::weights_mode::bf16;
-  const size_t q = ec::cuda_forward(*m, quant).decode_bytes_per_token();
   const size_t b = ec::cuda_forward(*m, bf16).decode_bytes_per_token();
-  CHECK(b - q == bf16_bytes - file_bytes);
+  {
+    const ec::cuda_forward f(*m, quant);
+    const size_t q = f.decode_bytes_per_token();
+    CHECK(b - q == bf16_bytes - file_bytes);
+    // Steps of up to 8 rows read the blocks; larger ones every matrix in bf16, as the bf16 mode.
+    CHECK(f.step_weight_bytes(1) == q);
+    CHECK(f.step_weight_bytes(8) == q);
+    CHECK(f.step_weight_bytes(9) == b);
+  }
   SECTION("blocks only: steps above the GEMV limit expand them part by part") {
     quant.weights.expand_quant = false;
     compare_with_cpu(*m, quant, 5e-2);
@@ -220,6 +227,32 @@ TEST_CASE("CUDA forward: a Q4_K_M mix (q4_k layers, q6_k V and down in some) dec
     }
     CHECK(logits[1] == logits[0]);
     CHECK(logits[2] == logits[0]);
+  }
+  SECTION("the fused launches on the blocks (SwiGLU GEMV in every layer, RoPE GEMV in the layer whose Q, K, V share a type): the same logits bit for bit") {
+    REQUIRE(m->layer(1).wv.type == m->layer(1).wq.type);
+    ec::cuda_options fused_o = quant;
+    fused_o.launch = ec::fused_decode(quant.launch);
+    fused_o.launch.quant_gemv_unroll = 4;
+    ec::cuda_forward plain(*m, quant), fused(*m, fused_o);
+    const int n_vocab = m->hparams().n_vocab;
+    std::vector<std::vector<token_id>> seqs = {prompt(*m, "Quantized blocks, fused launches", 19), prompt(*m, "def f(x):", 7)};
+    const std::vector<std::vector<int32_t>> tables = {{5, 2}, {9}};
+    std::vector<seq_chunk> batch;
+    for (size_t s = 0; s < seqs.size(); ++s) batch.push_back({seqs[s], 0, tables[s]});
+    std::vector<float> a = plain.forward(batch);
+    REQUIRE(a == fused.forward(batch));
+    for (int step = 0; step < 6; ++step) {
+      const size_t n_seqs = step < 3 ? 2 : 1;  // two rows, then one (another graph bucket)
+      batch.clear();
+      for (size_t s = 0; s < n_seqs; ++s) {
+        seqs[s].push_back(argmax(&a[s * n_vocab], n_vocab));  // one logits row a sequence
+        batch.push_back({std::span(seqs[s]).last(1), (int64_t)seqs[s].size() - 1, tables[s]});
+      }
+      a = plain.forward(batch);
+      INFO("decode step " << step);
+      REQUIRE(a == fused.forward(batch));
+    }
+    CHECK(fused.graph_error().empty());
   }
 }
 

@@ -583,15 +583,23 @@ void run(const args& a) {
       auto qf = ec::cuda_forward::synthetic(hp, quant_options(o, q, 8, a.context));
       const double bytes = (double)qf->decode_bytes_per_token();
       line(b + "_weight_bytes", bytes / 1e9, "GB");
-      // Plain, then with 4 and 8 units' loads in flight a lane (launch_options::quant_gemv_unroll).
-      for (const auto& [batch, unroll] : {std::pair{1, 1}, {8, 1}, {1, 4}, {1, 8}, {8, 4}}) {
-        ec::launch_options l = o.launch;
+      // Plain, then with 4 and 8 units' loads in flight a lane (launch_options::quant_gemv_unroll),
+      // then the fused launches (gemv_quant_swiglu in every layer, gemv_quant_rope_qkv where Q, K
+      // and V share a type: the odd layers of the Q4_K_M mix, all of q8_0's; the attention merge).
+      struct variant_q {
+        int batch, unroll;
+        bool fused;
+      };
+      for (const auto& [batch, unroll, fused] : {variant_q{1, 1, false}, {8, 1, false}, {1, 4, false}, {1, 8, false},
+                                                 {8, 4, false}, {1, 1, true}, {1, 8, true}, {8, 1, true}}) {
+        ec::launch_options l = fused ? ec::fused_decode(o.launch) : o.launch;
         l.quant_gemv_unroll = unroll;
         qf->set_launch_options(l);
         double t = decode_step_time(*qf, batch, a);
         for (int rep = 1; batch == 1 && rep < 3; ++rep) t = std::min(t, decode_step_time(*qf, batch, a));
         const double roofline = (bytes + (double)batch * (a.context - a.steps / 2.0) * kv_bytes_per_pos) / bw;
-        const std::string bb = b + "_b" + std::to_string(batch) + (unroll > 1 ? "_unroll" + std::to_string(unroll) : "");
+        const std::string bb =
+            b + "_b" + std::to_string(batch) + (unroll > 1 ? "_unroll" + std::to_string(unroll) : "") + (fused ? "_fused" : "");
         line(bb + "_step", t * 1e3, "ms");
         line(bb + "_tokens_per_s", batch / t, "tok/s");
         line(bb + "_time_over_roofline", t / roofline, "x");

@@ -22,6 +22,7 @@ class module_forward final : public device_forward {
     return fwd_.forward_sample(batch, rows_, histories);
   }
   int max_logit_rows() const override { return opt_.max_logit_rows; }
+  size_t step_weight_bytes(int rows) const override { return fwd_.step_weight_bytes(rows); }
   int max_history_tokens() const override { return opt_.max_history_tokens; }
   // Work that never finished (CUDA cannot cancel a kernel, so the device stays busy with it, and
   // freeing memory it may touch would wait for it), or a sticky error.

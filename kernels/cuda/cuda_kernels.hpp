@@ -239,6 +239,30 @@ struct qkv_rope_args {
 void gemv_bf16_rope_qkv(const bf16* w, int64_t n_in, const bf16* x, const qkv_rope_args& r, cudaStream_t stream,
                         int prefetch_bytes = 0, const gemv_norm& norm = {});
 
+/// A quantized matrix of one type whose rows lie in up to 3 parts (the Q, K and V tensors of a
+/// fused QKV, or gate and up, each part's blocks where the loader placed them): part p holds rows
+/// [row0[p], row0[p + 1]) (the last up to the matrix's n_out), row0[0] = 0, rows of
+/// quant_row_bytes(qt, n_in) bytes. The fused quantized GEMVs read it.
+struct quant_matrix {
+  quant_type qt = quant_type::q8_0;
+  int n_parts = 0;
+  const void* raw[3] = {};
+  int64_t row0[3] = {};
+};
+
+/// gemv_bf16_swiglu over quantized gate|up blocks w (2 * d_ff rows, gate rows first): act gets the
+/// bits of gemv_quant into a [batch, 2 * d_ff] buffer and swiglu from it (launch_options::gemv_swiglu
+/// on the quantized path). Same limits as gemv_quant.
+void gemv_quant_swiglu(const quant_matrix& w, int64_t d_ff, int64_t n_in, const bf16* x, bf16* act, int batch,
+                       cudaStream_t stream, int unroll = 1);
+
+/// gemv_bf16_rope_qkv over quantized QKV blocks w ((n_heads + 2 n_kv_heads) * head_dim rows): Q and
+/// the cache get the bits of gemv_quant into a qkv buffer then rope_qkv_store from it
+/// (launch_options::gemv_rope on the quantized path). Same limits as gemv_quant with batch =
+/// r.st.n_tokens.
+void gemv_quant_rope_qkv(const quant_matrix& w, int64_t n_in, const bf16* x, const qkv_rope_args& r, cudaStream_t stream,
+                         int unroll = 1);
+
 /// The shape of gemv_bf16_streamed's pipeline: CTAs per SM, shared-memory stages, bytes a bulk
 /// copy (a multiple of 512, at most 64 KiB). Untuned: 2 x 4 x 16 KiB until a device measures.
 struct gemv_stream_config {

@@ -245,11 +245,13 @@ void check_rope_qkv_store(const rope_case& c, std::mt19937_64& g) {
 
 // gemv_bf16_rope_qkv against gemv_bf16 then rope_qkv_store: `batch` sequences of one token each
 // at scattered positions (the first past 4096), n_in with a ragged tail, optionally a norm reader
-// (random partial sums); Q and the whole cache compared bit for bit (poison included).
-void check_gemv_rope(const rope_case& c, int batch, std::mt19937_64& g) {
+// (random partial sums); Q and the whole cache compared bit for bit (poison included). With
+// `quant`, gemv_quant_rope_qkv against gemv_quant (Q, K and V blocks in three allocations, each
+// part's GEMV writing its columns as the forward does) then rope_qkv_store, unrolled 1, 4 and 8.
+void check_gemv_rope(const rope_case& c, int batch, std::mt19937_64& g, const quant_type* quant = nullptr) {
   const int n_heads = 6, n_kv = 2, hd = c.head_dim, n_layers = 2, layer = 1, bs = 16, n_blocks = 24;
   const int q_dim = n_heads * hd, kv_dim = n_kv * hd, rows = q_dim + 2 * kv_dim;
-  const int64_t n_in = 264;
+  const int64_t n_in = quant ? 512 : 264;
   std::vector<int32_t> pool(n_blocks);
   std::iota(pool.begin(), pool.end(), 0);
   std::shuffle(pool.begin(), pool.end(), g);
@@ -284,6 +286,37 @@ void check_gemv_rope(const rope_case& c, int batch, std::mt19937_64& g) {
   r.st.token_pos = d_token_pos.p, r.st.token_seq = d_token_seq.p;
   r.kv.block_elems = block_elems, r.kv.n_layers = n_layers, r.kv.block_size = bs, r.kv.n_kv_heads = n_kv, r.kv.head_dim = hd;
   r.layer = layer;
+  if (quant) {
+    const int64_t part_rows[3] = {q_dim, kv_dim, kv_dim};
+    std::vector<dev_buf<uint8_t>> parts;
+    quant_matrix m;
+    m.qt = *quant;
+    for (int p = 0; p < 3; ++p) {
+      parts.emplace_back(quant_row_bytes(*quant, n_in) * size_t(part_rows[p]));
+      fill_random_blocks(*quant, parts.back().p, part_rows[p] * n_in, 0.05f, g(), nullptr);
+      m.raw[p] = parts.back().p;
+      m.row0[p] = p == 0 ? 0 : m.row0[p - 1] + part_rows[p - 1];
+    }
+    m.n_parts = 3;
+    for (const int unroll : {1, 4, 8}) {
+      INFO("type " << int(*quant) << " batch " << batch << " unroll " << unroll);
+      dev_buf<fp16> cache_two(size_t(n_blocks * block_elems)), cache_one(size_t(n_blocks * block_elems));
+      dev_buf<bf16> q_two(size_t(batch) * q_dim), q_one(size_t(batch) * q_dim);
+      cache_two.poison(), cache_one.poison(), q_two.poison(), q_one.poison();
+      for (int p = 0; p < 3; ++p)
+        gemv_quant(*quant, m.raw[p], part_rows[p], n_in, d_x.p, d_qkv.p + m.row0[p], batch, nullptr, rows, unroll);
+      r.kv.base = cache_two.p;
+      rope_qkv_store(d_qkv.p, r.bq, r.bk, r.bv, r.rope, r.st, r.kv, layer, q_two.p, nullptr);
+      r.kv.base = cache_one.p, r.q_out = q_one.p;
+      gemv_quant_rope_qkv(m, n_in, d_x.p, r, nullptr, unroll);
+      CHECK(std::memcmp(q_one.download().data(), q_two.download().data(), q_one.bytes()) == 0);
+      CHECK(std::memcmp(cache_one.download().data(), cache_two.download().data(), cache_one.bytes()) == 0);
+      // Not all the same bits by accident: the values are the quantized product's.
+      const std::vector<float> q = from_bf16(q_one.download());
+      CHECK(std::count_if(q.begin(), q.end(), [](float v) { return v != 0.0f && std::isfinite(v); }) > int(q.size()) / 2);
+    }
+    return;
+  }
   for (const bool reader : {false, true}) {
     INFO("batch " << batch << " norm reader " << reader);
     gemv_norm norm;
@@ -345,4 +378,38 @@ TEST_CASE("gemv_bf16_rope_qkv equals gemv_bf16 then rope_qkv_store bit for bit",
   gemv_norm writer;
   writer.residual = f.p, writer.norm_w = f.p, writer.sumsq_out = f.p;
   CHECK_THROWS_AS(gemv_bf16_rope_qkv(w.p, 64, x.p, r, nullptr, 0, writer), cuda_error);
+}
+
+TEST_CASE("gemv_quant_rope_qkv equals gemv_quant then rope_qkv_store bit for bit", "[cuda]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 g(seed);
+  const bool pdl = GENERATE(false, true);
+  const pdl_scope scope(pdl);
+  for (const quant_type t : {quant_type::q8_0, quant_type::q4_0, quant_type::q4_1, quant_type::q4_k, quant_type::q5_k,
+                             quant_type::q6_k})
+    for (const int batch : {1, 3, 8}) {
+      // Llama's rotation at head_dim 128 with biases and frequency factors; Qwen2's neox, a partial rotation.
+      const rope_case c = batch == 3 ? rope_case{64, 32, rope_kind::neox, true, false} : rope_case{128, 128, rope_kind::normal, true, true};
+      INFO("pdl " << pdl);
+      check_gemv_rope(c, batch, g, &t);
+    }
+  dev_buf<uint8_t> w(quant_row_bytes(quant_type::q8_0, 64) * 12);
+  dev_buf<bf16> x(size_t(9 * 64));
+  quant_matrix m;
+  m.qt = quant_type::q8_0, m.n_parts = 1, m.raw[0] = w.p;
+  qkv_rope_args r;
+  r.rope.n_heads = r.rope.n_kv_heads = 1, r.rope.head_dim = 4, r.rope.n_rot = 4;
+  r.st.n_tokens = 9;  // more token rows than the GEMV's 8
+  CHECK_THROWS_AS(gemv_quant_rope_qkv(m, 64, x.p, r, nullptr), cuda_error);
+  r.st.n_tokens = 1;
+  CHECK_THROWS_AS(gemv_quant_rope_qkv(m, 64, x.p, r, nullptr, 3), cuda_error);  // unroll 1, 4 or 8
+  CHECK_THROWS_AS(gemv_quant_rope_qkv(m, 48, x.p, r, nullptr), cuda_error);     // not whole blocks
+  r.rope.n_rot = 3;
+  CHECK_THROWS_AS(gemv_quant_rope_qkv(m, 64, x.p, r, nullptr), cuda_error);
+  r.rope.n_rot = 4;
+  m.n_parts = 2, m.raw[1] = w.p, m.row0[1] = 12;  // a part starting past the matrix's 12 rows
+  CHECK_THROWS_AS(gemv_quant_rope_qkv(m, 64, x.p, r, nullptr), cuda_error);
+  m.n_parts = 0;
+  CHECK_THROWS_AS(gemv_quant_rope_qkv(m, 64, x.p, r, nullptr), cuda_error);
 }

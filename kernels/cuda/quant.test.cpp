@@ -1,7 +1,8 @@
 // Quantized GEMV and block expansion against kernels::dequantize_row: random GGUF blocks (random
 // quants and scale bytes, finite scales), batches 1..8, row counts that do not fill the last
 // thread block. The bf16 GEMVs against the host, and their fused forms (SwiGLU, the folded
-// residual add + RMSNorm) against the unfused kernels.
+// residual add + RMSNorm) against the unfused kernels; so the quantized SwiGLU GEMV (the RoPE ones:
+// ops.test.cpp).
 #include <catch2/catch.hpp>
 #include <algorithm>
 #include <cmath>
@@ -231,6 +232,62 @@ TEST_CASE("gemv_bf16_swiglu equals gemv_bf16 then swiglu bit for bit", "[cuda]")
   CHECK_THROWS_AS(gemv_bf16_swiglu(w.p, 2, 12, x.p, y.p, 1, nullptr), cuda_error);  // n_in % 8
   CHECK_THROWS_AS(gemv_bf16_swiglu(w.p, 2, 16, x.p, y.p, 1, nullptr, -1), cuda_error);
   CHECK_THROWS_AS(gemv_bf16(w.p, 2, 16, x.p, y.p, 1, nullptr, -1), cuda_error);
+}
+
+TEST_CASE("gemv_quant_swiglu equals gemv_quant then swiglu bit for bit", "[cuda]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 g(seed);
+  const bool pdl = GENERATE(false, true);
+  const pdl_scope scope(pdl);
+  for (const auto& ti : types) {
+    // 9 units of 8 weights a lane and a bit (the unrolled loops' tails); d_ff 37: the last CTA half idle.
+    const int64_t n_in = ti.block_values == 256 ? 2304 : 2336, row_blocks = n_in / ti.block_values;
+    for (const int64_t d_ff : {int64_t{37}, int64_t{1}}) {
+      const auto raw = random_blocks(ti, 2 * d_ff * row_blocks, g);
+      const size_t half = raw.size() / 2;
+      // Gate and up in one allocation (one part), and apart (two parts, as gate and up tensors load).
+      dev_buf<uint8_t> d_w(raw), d_gate(std::vector<uint8_t>(raw.begin(), raw.begin() + long(half))),
+          d_up(std::vector<uint8_t>(raw.begin() + long(half), raw.end()));
+      quant_matrix one, two;
+      one.qt = two.qt = ti.t;
+      one.n_parts = 1, one.raw[0] = d_w.p;
+      two.n_parts = 2, two.raw[0] = d_gate.p, two.raw[1] = d_up.p, two.row0[1] = d_ff;
+      for (const int batch : {1, 3, 8}) {
+        const auto x = round_bf16(random_floats(size_t(batch * n_in), g));
+        dev_buf<bf16> d_x(to_bf16(x)), d_gu(size_t(batch * 2 * d_ff)), d_want(size_t(batch * d_ff)), d_got(size_t(batch * d_ff));
+        d_want.poison();
+        gemv_quant(ti.t, d_w.p, 2 * d_ff, n_in, d_x.p, d_gu.p, batch, nullptr);
+        swiglu(d_gu.p, d_want.p, batch, int(d_ff), nullptr);
+        const std::vector<bf16> want = d_want.download();
+        // The unfused pair's values are the product's: against the CPU dequantization.
+        std::vector<float> w(size_t(2 * d_ff * n_in));
+        for (int64_t o = 0; o < 2 * d_ff; ++o)
+          cpu::dequantize_row(ti.dt, &raw[size_t(o * row_blocks * ti.block_bytes)], &w[size_t(o * n_in)], n_in);
+        INFO("type " << int(ti.t) << " d_ff " << d_ff << " batch " << batch << " pdl " << pdl);
+        CHECK(normalized_error(from_bf16(d_gu.download()), reference_gemv(w, x, batch, 2 * d_ff, n_in)) <= 1e-2);
+        for (const quant_matrix* m : {&one, &two})
+          for (const int unroll : {1, 4, 8}) {
+            INFO("parts " << m->n_parts << " unroll " << unroll);
+            d_got.poison();
+            gemv_quant_swiglu(*m, d_ff, n_in, d_x.p, d_got.p, batch, nullptr, unroll);
+            CHECK(std::memcmp(d_got.download().data(), want.data(), want.size() * sizeof(bf16)) == 0);
+          }
+      }
+    }
+  }
+  dev_buf<uint8_t> w(quant_row_bytes(quant_type::q4_k, 256) * 4);
+  dev_buf<bf16> x(size_t(9 * 256)), act(size_t(9 * 2));
+  quant_matrix m;
+  m.qt = quant_type::q4_k, m.n_parts = 1, m.raw[0] = w.p;
+  CHECK_THROWS_AS(gemv_quant_swiglu(m, 2, 256, x.p, act.p, 9, nullptr), cuda_error);     // batch > 8
+  CHECK_THROWS_AS(gemv_quant_swiglu(m, 2, 128, x.p, act.p, 1, nullptr), cuda_error);     // not whole q4_k blocks
+  CHECK_THROWS_AS(gemv_quant_swiglu(m, 2, 256, x.p, act.p, 1, nullptr, 2), cuda_error);  // unroll 1, 4 or 8
+  CHECK_THROWS_AS(gemv_quant_swiglu(m, 2, 256, x.p, x.p + 8, 1, nullptr), cuda_error);  // act inside x
+  m.raw[0] = w.p + 1;  // q4_k reads 32-bit words
+  CHECK_THROWS_AS(gemv_quant_swiglu(m, 2, 256, x.p, act.p, 1, nullptr), cuda_error);
+  m.raw[0] = w.p, m.n_parts = 2, m.raw[1] = w.p, m.row0[1] = 0;  // parts must start at increasing rows
+  CHECK_THROWS_AS(gemv_quant_swiglu(m, 2, 256, x.p, act.p, 1, nullptr), cuda_error);
 }
 
 TEST_CASE("gemv_bf16 with the residual add and RMSNorm folded in (gemv_norm) against add_rmsnorm and the host", "[cuda]") {

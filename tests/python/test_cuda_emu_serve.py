@@ -76,10 +76,41 @@ def test_bench_on_the_device_draws_its_roofline_from_the_device():
     params = sum(n for name, n in tensors.items() if name.startswith("blk.") and name.endswith(".weight")
                  and "norm" not in name)
     params += tensors.get("output.weight", tensors["token_embd.weight"])
-    assert r["weight_gb"] == pytest.approx(2 * params / 1e9, abs=1e-3)
+    assert r["weight_gb"] == pytest.approx((2 * params + small_bytes(gguf)) / 1e9, abs=2e-6)
     assert r["copy_gbs"] > 0
     assert r["roofline_tok_s"] == pytest.approx(2 * r["copy_gbs"] / r["weight_gb"], rel=0.01)
     assert r["kernel_gflops"] == 0  # the CPU kernels are not what bounds a device step
+
+
+def small_bytes(gguf):
+    """What a step reads beside the matrices: the norm weights (fp32) and one embedding row (bf16)."""
+    r = gguf.GGUFReader(str(MODEL))
+    d = int(r.fields["llama.embedding_length"].parts[-1][0])
+    n_layers = int(r.fields["llama.block_count"].parts[-1][0])
+    return (2 * n_layers + 1) * d * 4 + d * 2
+
+
+@pytest.mark.parametrize("concurrency", [2, 9])
+def test_bench_on_the_device_counts_the_blocks_small_steps_read(concurrency):
+    # The file's weights (q4_1 layers, q8_0 embeddings as the tied head) stay blocks on the device:
+    # steps of up to 8 rows read them (gemv_quant), larger ones the bf16 copies (cuBLASLt). The
+    # roofline's bytes follow: the blocks' size in the file at 2 concurrent, bf16 at 9.
+    gguf = pytest.importorskip("gguf")
+    out = subprocess.run([TROUPE, "bench", "--model", str(MODEL), "--device", "cuda", "--concurrency", str(concurrency),
+                          "--requests", str(concurrency), "--prompt-len", "8", "--gen-len", "2", "-t", "2", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["ok"] == concurrency
+    layer = [t for t in gguf.GGUFReader(str(MODEL)).tensors
+             if t.name.startswith("blk.") and t.name.endswith(".weight") and "norm" not in t.name]
+    head = next(t for t in gguf.GGUFReader(str(MODEL)).tensors if t.name == "token_embd.weight")  # tied
+    assert {t.tensor_type.name for t in layer} == {"Q4_1"} and head.tensor_type.name == "Q8_0"
+    if concurrency <= 8:
+        want = sum(int(t.n_bytes) for t in layer) + int(head.n_bytes)
+    else:
+        want = 2 * (sum(int(t.n_elements) for t in layer) + int(head.n_elements))
+    assert r["weight_gb"] == pytest.approx((want + small_bytes(gguf)) / 1e9, abs=2e-6)
 
 
 def test_a_device_index_the_emulation_lacks_is_refused_at_start():
