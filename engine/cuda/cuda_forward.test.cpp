@@ -232,6 +232,7 @@ TEST_CASE("CUDA forward: a Q4_K_M mix (q4_k layers, q6_k V and down in some) dec
     REQUIRE(m->layer(1).wv.type == m->layer(1).wq.type);
     ec::cuda_options fused_o = quant;
     fused_o.launch = ec::fused_decode(quant.launch);
+    fused_o.launch.gemv_fold_norm = false;  // the one fusion that rounds differently (below)
     fused_o.launch.quant_gemv_unroll = 4;
     ec::cuda_forward plain(*m, quant), fused(*m, fused_o);
     const int n_vocab = m->hparams().n_vocab;
@@ -253,6 +254,13 @@ TEST_CASE("CUDA forward: a Q4_K_M mix (q4_k layers, q6_k V and down in some) dec
       REQUIRE(a == fused.forward(batch));
     }
     CHECK(fused.graph_error().empty());
+  }
+  SECTION("every fusion, the RMSNorm folded into the quantized GEMVs: logits within 5e-2 of the CPU") {
+    quant.launch = ec::fused_decode(quant.launch);
+    quant.launch.quant_gemv_unroll = 8;
+    REQUIRE(ec::cuda_forward(*m, quant).fold_norm(8));
+    REQUIRE_FALSE(ec::cuda_forward(*m, quant).fold_norm(9));  // cuBLASLt over the expansion: no fold
+    compare_with_cpu(*m, quant, 5e-2);
   }
 }
 

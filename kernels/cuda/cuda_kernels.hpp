@@ -168,20 +168,9 @@ void paged_attention(const bf16* q, const step_layout& st, const kv_cache_view& 
 /// GGUF quantized block types usable directly by gemv_quant (the raw GGUF block layout).
 enum class quant_type : int { q8_0 = 0, q4_0 = 1, q4_k = 2, q4_1 = 3, q5_k = 4, q6_k = 5 };
 
-/// y[b, o] = sum_i W[o, i] * x[b, i] for b in [0, batch) (batch <= 8), W stored as GGUF blocks,
-/// row-major, `n_in` values per row (a multiple of the block size: 32, or 256 for the k-quants).
-/// x bf16 [batch, n_in]; y bf16 with batch row b at y + b * ldy (ldy 0: n_out), so the parts of a
-/// fused matrix of several types write their columns of one output. Accumulates in fp32. unroll
-/// (1, 4 or 8): units of 8 weights whose loads each lane issues before decoding the first (the
-/// same results; engine::cuda::launch_options::quant_gemv_unroll).
-void gemv_quant(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch,
-                cudaStream_t stream, int64_t ldy = 0, int unroll = 1);
-/// As gemv_quant with fp32 outputs (the output head: logits are not rounded to bf16).
-void gemv_quant_f32(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, float* y, int batch,
-                    cudaStream_t stream, int64_t ldy = 0, int unroll = 1);
-
-/// The residual add and RMSNorm carried by the bf16 GEMVs on either side of them instead of an
-/// add_rmsnorm launch (engine::cuda::launch_options::gemv_fold_norm).
+/// The residual add and RMSNorm carried by the GEMVs on either side of them instead of an
+/// add_rmsnorm launch (engine::cuda::launch_options::gemv_fold_norm): gemv_bf16 and its fused
+/// forms; gemv_quant (a writer or a reader) and its fused forms (readers).
 ///
 /// Writer (the GEMV whose outputs add into the residual stream: attention output, down): with
 /// `residual` set, each output is rounded to bf16 and added to residual (fp32 [batch, n_out]) as
@@ -204,6 +193,19 @@ struct gemv_norm {
 
 /// Partial sums of squares a writer GEMV of n_out rows leaves per batch row (one per CTA).
 int64_t norm_fold_parts(int64_t n_out);
+
+/// y[b, o] = sum_i W[o, i] * x[b, i] for b in [0, batch) (batch <= 8), W stored as GGUF blocks,
+/// row-major, `n_in` values per row (a multiple of the block size: 32, or 256 for the k-quants).
+/// x bf16 [batch, n_in]; y bf16 with batch row b at y + b * ldy (ldy 0: n_out), so the parts of a
+/// fused matrix of several types write their columns of one output. Accumulates in fp32. unroll
+/// (1, 4 or 8): units of 8 weights whose loads each lane issues before decoding the first (the
+/// same results; engine::cuda::launch_options::quant_gemv_unroll). norm: see gemv_norm; a writer
+/// reads no norm and takes ldy 0.
+void gemv_quant(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch,
+                cudaStream_t stream, int64_t ldy = 0, int unroll = 1, const gemv_norm& norm = {});
+/// As gemv_quant with fp32 outputs (the output head: logits are not rounded to bf16).
+void gemv_quant_f32(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, float* y, int batch,
+                    cudaStream_t stream, int64_t ldy = 0, int unroll = 1);
 
 /// The same product with bf16 weights [n_out, n_in] (n_in a multiple of 8, w and x 16-byte
 /// aligned): small-batch decode without cuBLASLt (engine::cuda::launch_options). prefetch_bytes
@@ -252,16 +254,16 @@ struct quant_matrix {
 
 /// gemv_bf16_swiglu over quantized gate|up blocks w (2 * d_ff rows, gate rows first): act gets the
 /// bits of gemv_quant into a [batch, 2 * d_ff] buffer and swiglu from it (launch_options::gemv_swiglu
-/// on the quantized path). Same limits as gemv_quant.
+/// on the quantized path). Same limits as gemv_quant; norm may be a reader only.
 void gemv_quant_swiglu(const quant_matrix& w, int64_t d_ff, int64_t n_in, const bf16* x, bf16* act, int batch,
-                       cudaStream_t stream, int unroll = 1);
+                       cudaStream_t stream, int unroll = 1, const gemv_norm& norm = {});
 
 /// gemv_bf16_rope_qkv over quantized QKV blocks w ((n_heads + 2 n_kv_heads) * head_dim rows): Q and
 /// the cache get the bits of gemv_quant into a qkv buffer then rope_qkv_store from it
 /// (launch_options::gemv_rope on the quantized path). Same limits as gemv_quant with batch =
-/// r.st.n_tokens.
+/// r.st.n_tokens; norm may be a reader only.
 void gemv_quant_rope_qkv(const quant_matrix& w, int64_t n_in, const bf16* x, const qkv_rope_args& r, cudaStream_t stream,
-                         int unroll = 1);
+                         int unroll = 1, const gemv_norm& norm = {});
 
 /// The shape of gemv_bf16_streamed's pipeline: CTAs per SM, shared-memory stages, bytes a bulk
 /// copy (a multiple of 512, at most 64 KiB). Untuned: 2 x 4 x 16 KiB until a device measures.

@@ -26,6 +26,81 @@ namespace {
 
 constexpr int gemv_warps = 4;  // rows per block
 
+// Partial sums of squares a writer of n rows leaves per batch row: one per CTA.
+__host__ __device__ inline int64_t fold_parts(int64_t n) { return (n + gemv_warps - 1) / gemv_warps; }
+
+// A reader's RMSNorm scale for one batch row: 1 / sqrt(sum of the writer's partial sums / n +
+// eps), the partials summed lane by lane in a fixed order (the same value in every warp and kernel
+// for one sumsq and n). Each warp of a reader computes it at the end of its row, so the loads are
+// 16-byte ones, 8 a lane in flight (n = 4096: 1,024 partials, one trip of 8 loads a lane rather
+// than 32 dependent-on-the-loop 4-byte ones), where the partials allow (a multiple of 4, aligned).
+__device__ __forceinline__ float norm_fold_scale(const float* __restrict__ sumsq, int64_t n, float eps) {
+  const int64_t parts = fold_parts(n);
+  const int lane = threadIdx.x & 31;
+  float ss = 0.0f;
+  if (parts % 4 == 0 && reinterpret_cast<uintptr_t>(sumsq) % 16 == 0) {
+    const float4* p = reinterpret_cast<const float4*>(sumsq);
+    const int64_t n4 = parts / 4;
+    constexpr int U = 8;
+    int64_t i = lane;
+    for (; i + 32 * (U - 1) < n4; i += 32 * U) {
+      float4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) v[u] = __ldg(p + i + 32 * u);
+#pragma unroll
+      for (int u = 0; u < U; ++u) ss += (v[u].x + v[u].y) + (v[u].z + v[u].w);
+    }
+    for (; i < n4; i += 32) {
+      const float4 v = __ldg(p + i);
+      ss += (v.x + v.y) + (v.z + v.w);
+    }
+  } else {
+    for (int64_t i = lane; i < parts; i += 32) ss += sumsq[i];
+  }
+  return 1.0f / sqrtf(warp_sum(ss) / float(n) + eps);
+}
+
+// acc scaled as a gemv_norm reader scales its dot products: by each batch row's RMSNorm scale.
+template <int B>
+__device__ __forceinline__ void apply_norm_reader(const gemv_norm& norm, int64_t n_in, float (&acc)[B]) {
+#pragma unroll
+  for (int b = 0; b < B; ++b) acc[b] *= norm_fold_scale(norm.sumsq_in + b * fold_parts(n_in), n_in, norm.eps);
+}
+
+// The residual add and RMSNorm carried by a GEMV (gemv_norm's writer): each output rounded to
+// bf16 and added to the fp32 residual as add_rmsnorm adds it (x + float(bf16 y)), y gets the next
+// norm's input before its scale (residual * norm_w, bf16), and sumsq_out this CTA's sum of squares
+// of its 4 rows' new residual values per batch row (rows in order; norm_fold_parts(n_out) a row).
+template <class Rows, int B>
+__global__ void __launch_bounds__(gemv_warps * 32) gemv_writer_kernel(Rows w, int64_t n_out, const bf16* __restrict__ x,
+                                                                      bf16* __restrict__ y, gemv_norm norm) {
+  TROUPE_SHARED(float[gemv_warps][B], sums);
+  TROUPE_SHARED(float[gemv_warps][B], squares);
+  pdl_launch_dependents();
+  const int64_t o = int64_t(blockIdx.x) * gemv_warps + (threadIdx.x >> 5);
+  w.cta_dots(o < n_out ? o : -1, x, sums);
+  if (threadIdx.x < gemv_warps * B) {
+    const int k = threadIdx.x / B, b = threadIdx.x % B;
+    const int64_t row = int64_t(blockIdx.x) * gemv_warps + k;
+    float sq = 0.0f;  // the last CTA's rows past n_out add nothing
+    if (row < n_out) {
+      float* r = norm.residual + b * n_out + row;
+      const float v = *r + __bfloat162float(__float2bfloat16_rn(sums[k][b]));
+      *r = v;
+      y[b * n_out + row] = __float2bfloat16_rn(v * norm.norm_w[row]);
+      sq = v * v;
+    }
+    squares[k][b] = sq;
+  }
+  __syncthreads();
+  if (threadIdx.x < B) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < gemv_warps; ++k) ss += squares[k][threadIdx.x];
+    norm.sumsq_out[threadIdx.x * gridDim.x + blockIdx.x] = ss;
+  }
+}
+
 // The gate|up GEMV with SwiGLU on its outputs: CTA c computes act[:, 2c] and act[:, 2c + 1], its
 // warps taking gate rows 2c, 2c + 1 and up rows d_ff + 2c, d_ff + 2c + 1, then silu_mul as swiglu
 // does, without the gate|up round trip or a launch.

@@ -247,7 +247,8 @@ void check_rope_qkv_store(const rope_case& c, std::mt19937_64& g) {
 // at scattered positions (the first past 4096), n_in with a ragged tail, optionally a norm reader
 // (random partial sums); Q and the whole cache compared bit for bit (poison included). With
 // `quant`, gemv_quant_rope_qkv against gemv_quant (Q, K and V blocks in three allocations, each
-// part's GEMV writing its columns as the forward does) then rope_qkv_store, unrolled 1, 4 and 8.
+// part's GEMV writing its columns as the forward does) then rope_qkv_store, unrolled 1, 4 (with a
+// norm reader) and 8.
 void check_gemv_rope(const rope_case& c, int batch, std::mt19937_64& g, const quant_type* quant = nullptr) {
   const int n_heads = 6, n_kv = 2, hd = c.head_dim, n_layers = 2, layer = 1, bs = 16, n_blocks = 24;
   const int q_dim = n_heads * hd, kv_dim = n_kv * hd, rows = q_dim + 2 * kv_dim;
@@ -299,16 +300,19 @@ void check_gemv_rope(const rope_case& c, int batch, std::mt19937_64& g, const qu
     }
     m.n_parts = 3;
     for (const int unroll : {1, 4, 8}) {
-      INFO("type " << int(*quant) << " batch " << batch << " unroll " << unroll);
+      const bool reader = unroll == 4;  // random partial sums of squares: a norm reader
+      gemv_norm norm;
+      if (reader) norm.sumsq_in = d_sumsq.p, norm.eps = 1e-6f;
+      INFO("type " << int(*quant) << " batch " << batch << " unroll " << unroll << " norm reader " << reader);
       dev_buf<fp16> cache_two(size_t(n_blocks * block_elems)), cache_one(size_t(n_blocks * block_elems));
       dev_buf<bf16> q_two(size_t(batch) * q_dim), q_one(size_t(batch) * q_dim);
       cache_two.poison(), cache_one.poison(), q_two.poison(), q_one.poison();
       for (int p = 0; p < 3; ++p)
-        gemv_quant(*quant, m.raw[p], part_rows[p], n_in, d_x.p, d_qkv.p + m.row0[p], batch, nullptr, rows, unroll);
+        gemv_quant(*quant, m.raw[p], part_rows[p], n_in, d_x.p, d_qkv.p + m.row0[p], batch, nullptr, rows, unroll, norm);
       r.kv.base = cache_two.p;
       rope_qkv_store(d_qkv.p, r.bq, r.bk, r.bv, r.rope, r.st, r.kv, layer, q_two.p, nullptr);
       r.kv.base = cache_one.p, r.q_out = q_one.p;
-      gemv_quant_rope_qkv(m, n_in, d_x.p, r, nullptr, unroll);
+      gemv_quant_rope_qkv(m, n_in, d_x.p, r, nullptr, unroll, norm);
       CHECK(std::memcmp(q_one.download().data(), q_two.download().data(), q_one.bytes()) == 0);
       CHECK(std::memcmp(cache_one.download().data(), cache_two.download().data(), cache_one.bytes()) == 0);
       // Not all the same bits by accident: the values are the quantized product's.

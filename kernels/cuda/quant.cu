@@ -20,11 +20,12 @@ namespace {
 
 constexpr int dequant_threads = 256;
 
-// One warp per output row (quant_row_dots), for every batch row.
-template <quant_type T, int B, class Out, int Unroll>
+// One warp per output row (quant_row_dots), for every batch row; scaled as a gemv_norm reader
+// when Reader.
+template <quant_type T, int B, class Out, int Unroll, bool Reader>
 __global__ void __launch_bounds__(gemv_warps * 32) gemv_kernel(const uint8_t* __restrict__ w, int64_t n_out, int64_t n_in,
                                                                const bf16* __restrict__ x, Out* __restrict__ y,
-                                                               int64_t ldy) {
+                                                               int64_t ldy, gemv_norm norm) {
   using L = layout<T>;
   pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
@@ -32,6 +33,7 @@ __global__ void __launch_bounds__(gemv_warps * 32) gemv_kernel(const uint8_t* __
   if (o >= n_out) return;  // whole warps leave together
   float acc[B];
   quant_row_dots<T, B, Unroll>(w + o * (n_in / L::block_values) * L::block_bytes, n_in, x, acc);
+  if constexpr (Reader) apply_norm_reader<B>(norm, n_in, acc);
 #pragma unroll
   for (int b = 0; b < B; ++b) {
     if (lane == b) {
@@ -102,50 +104,13 @@ __device__ __forceinline__ void gemv_bf16_row(const bf16* __restrict__ row_w, in
   for (int b = 0; b < B; ++b) acc[b] = warp_sum(acc[b]);
 }
 
-// Partial sums of squares a writer of n rows leaves per batch row: one per CTA.
-__host__ __device__ inline int64_t fold_parts(int64_t n) { return (n + gemv_warps - 1) / gemv_warps; }
-
-// A reader's RMSNorm scale for one batch row: 1 / sqrt(sum of the writer's partial sums / n +
-// eps), the partials summed lane by lane in a fixed order (the same value in every warp and kernel
-// for one sumsq and n). Each warp of a reader computes it at the end of its row, so the loads are
-// 16-byte ones, 8 a lane in flight (n = 4096: 1,024 partials, one trip of 8 loads a lane rather
-// than 32 dependent-on-the-loop 4-byte ones), where the partials allow (a multiple of 4, aligned).
-__device__ __forceinline__ float norm_fold_scale(const float* __restrict__ sumsq, int64_t n, float eps) {
-  const int64_t parts = fold_parts(n);
-  const int lane = threadIdx.x & 31;
-  float ss = 0.0f;
-  if (parts % 4 == 0 && reinterpret_cast<uintptr_t>(sumsq) % 16 == 0) {
-    const float4* p = reinterpret_cast<const float4*>(sumsq);
-    const int64_t n4 = parts / 4;
-    constexpr int U = 8;
-    int64_t i = lane;
-    for (; i + 32 * (U - 1) < n4; i += 32 * U) {
-      float4 v[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) v[u] = __ldg(p + i + 32 * u);
-#pragma unroll
-      for (int u = 0; u < U; ++u) ss += (v[u].x + v[u].y) + (v[u].z + v[u].w);
-    }
-    for (; i < n4; i += 32) {
-      const float4 v = __ldg(p + i);
-      ss += (v.x + v.y) + (v.z + v.w);
-    }
-  } else {
-    for (int64_t i = lane; i < parts; i += 32) ss += sumsq[i];
-  }
-  return 1.0f / sqrtf(warp_sum(ss) / float(n) + eps);
-}
-
 // One warp's B dot products of row `row_w`, scaled as a gemv_norm reader when Reader (every lane
 // returns them).
 template <int B, bool Reader>
 __device__ __forceinline__ void gemv_bf16_dots(const bf16* __restrict__ row_w, int64_t n_in, const bf16* __restrict__ x,
                                                const gemv_norm& norm, float (&acc)[B]) {
   gemv_bf16_row<B>(row_w, n_in, x, acc);
-  if constexpr (Reader) {
-#pragma unroll
-    for (int b = 0; b < B; ++b) acc[b] *= norm_fold_scale(norm.sumsq_in + b * fold_parts(n_in), n_in, norm.eps);
-  }
+  if constexpr (Reader) apply_norm_reader<B>(norm, n_in, acc);
 }
 
 // The fused GEMVs up to their epilogue: warp w's row (null: none, the warp only synchronizes)
@@ -166,49 +131,21 @@ __device__ __forceinline__ void gemv_bf16_cta_dots(const bf16* __restrict__ row,
   __syncthreads();
 }
 
-template <int B, bool Reader, bool Writer>
+template <int B, bool Reader>
 __global__ void __launch_bounds__(gemv_warps * 32) gemv_bf16_kernel(const bf16* __restrict__ w, int64_t n_out, int64_t n_in,
                                                                     const bf16* __restrict__ x, bf16* __restrict__ y,
                                                                     int prefetch_bytes, gemv_norm norm) {
   pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t o = int64_t(blockIdx.x) * gemv_warps + warp;
-  if constexpr (!Writer) {
-    if (o < n_out && prefetch_bytes > 0) gemv_prefetch_row(w + o * n_in, n_in, prefetch_bytes);
-    pdl_wait();
-    if (o >= n_out) return;  // whole warps leave together
-    float acc[B];
-    gemv_bf16_dots<B, Reader>(w + o * n_in, n_in, x, norm, acc);
+  if (o < n_out && prefetch_bytes > 0) gemv_prefetch_row(w + o * n_in, n_in, prefetch_bytes);
+  pdl_wait();
+  if (o >= n_out) return;  // whole warps leave together
+  float acc[B];
+  gemv_bf16_dots<B, Reader>(w + o * n_in, n_in, x, norm, acc);
 #pragma unroll
-    for (int b = 0; b < B; ++b)
-      if (lane == b) y[b * n_out + o] = __float2bfloat16_rn(acc[b]);
-  } else {
-    // Residual add as add_rmsnorm does it (x + float(bf16 y)), then the normalized input of the
-    // next GEMV before its scale, and this CTA's sum of squares per batch row (rows in order).
-    TROUPE_SHARED(float[gemv_warps][B], sums);
-    TROUPE_SHARED(float[gemv_warps][B], squares);
-    gemv_bf16_cta_dots<B, Reader>(o < n_out ? w + o * n_in : nullptr, n_in, x, norm, prefetch_bytes, sums);
-    if (threadIdx.x < gemv_warps * B) {
-      const int k = threadIdx.x / B, b = threadIdx.x % B;
-      const int64_t row = int64_t(blockIdx.x) * gemv_warps + k;
-      float sq = 0.0f;  // the last CTA's rows past n_out add nothing
-      if (row < n_out) {
-        float* r = norm.residual + b * n_out + row;
-        const float v = *r + __bfloat162float(__float2bfloat16_rn(sums[k][b]));
-        *r = v;
-        y[b * n_out + row] = __float2bfloat16_rn(v * norm.norm_w[row]);
-        sq = v * v;
-      }
-      squares[k][b] = sq;
-    }
-    __syncthreads();
-    if (threadIdx.x < B) {
-      float ss = 0.0f;
-#pragma unroll
-      for (int k = 0; k < gemv_warps; ++k) ss += squares[k][threadIdx.x];
-      norm.sumsq_out[threadIdx.x * gridDim.x + blockIdx.x] = ss;
-    }
-  }
+  for (int b = 0; b < B; ++b)
+    if (lane == b) y[b * n_out + o] = __float2bfloat16_rn(acc[b]);
 }
 
 // bf16 weight rows for the fused GEMVs (gemv_fused.cuh): gemv_bf16_cta_dots, with an optional
@@ -271,7 +208,7 @@ void check_bf16_args(const char* name, const bf16* w, int64_t n_in, const bf16* 
 
 template <class Out>
 void gemv_quant_to(const char* name, quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, Out* y, int batch,
-                   cudaStream_t stream, int64_t ldy, int unroll) {
+                   cudaStream_t stream, int64_t ldy, int unroll, const gemv_norm& norm) {
   const std::string n = name;
   if (batch < 1 || batch > max_batch) throw cuda_error(n + ": batch must be in [1, 8]");
   check_args(t, w, n_in, name);
@@ -279,17 +216,41 @@ void gemv_quant_to(const char* name, quant_type t, const void* w, int64_t n_out,
   if (ldy == 0) ldy = n_out;
   if (ldy < n_out) throw cuda_error(n + ": ldy must be 0 or at least n_out");
   if (unroll != 1 && unroll != 4 && unroll != 8) throw cuda_error(n + ": unroll must be 1, 4 or 8");
+  const bool reader = norm.sumsq_in != nullptr, writer = norm.residual != nullptr;
+  if (writer && (!norm.norm_w || !norm.sumsq_out)) throw cuda_error(n + ": a norm writer needs norm_w and sumsq_out");
+  if (!writer && (norm.norm_w || norm.sumsq_out)) throw cuda_error(n + ": norm_w or sumsq_out without a residual");
+  // A quantized writer's input is attention's output or SwiGLU's, never a norm's.
+  if (writer && (reader || ldy != n_out)) throw cuda_error(n + ": a norm writer reads no norm and writes all of y (ldy 0)");
   if (n_out <= 0 || n_in <= 0) return;
   if (overlaps(x, batch * n_in * 2, y, ((batch - 1) * ldy + n_out) * int64_t(sizeof(Out))))
     throw cuda_error(n + ": y overlaps x (other CTAs still read x while one stores y)");
   const auto blocks = unsigned((n_out + gemv_warps - 1) / gemv_warps);
+  const auto* raw = static_cast<const uint8_t*>(w);
+  if constexpr (std::is_same_v<Out, bf16>) {
+    if (writer) {
+      quant_matrix m;
+      m.qt = t, m.n_parts = 1, m.raw[0] = w;
+      with_rows(m, n_in, batch, unroll, norm, name, [&](auto rows) {
+        launch(gemv_writer_kernel<decltype(rows), decltype(rows)::batch>, blocks, gemv_warps * 32, 0, stream, rows, n_out, x, y,
+               norm);
+      });
+      check_launch(name);
+      return;
+    }
+  }
   with_type(t, [&](auto type) {
     with_batch(batch, [&](auto b) {
       constexpr quant_type T = decltype(type)::value;
       constexpr int B = decltype(b)::value;
       with_unroll(unroll, name, [&](auto u) {
-        launch(gemv_kernel<T, B, Out, decltype(u)::value>, blocks, gemv_warps * 32, 0, stream, static_cast<const uint8_t*>(w),
-               n_out, n_in, x, y, ldy);
+        constexpr int U = decltype(u)::value;
+        if constexpr (std::is_same_v<Out, bf16>) {
+          if (reader) {
+            launch(gemv_kernel<T, B, Out, U, true>, blocks, gemv_warps * 32, 0, stream, raw, n_out, n_in, x, y, ldy, norm);
+            return;
+          }
+        }
+        launch(gemv_kernel<T, B, Out, U, false>, blocks, gemv_warps * 32, 0, stream, raw, n_out, n_in, x, y, ldy, norm);
       });
     });
   });
@@ -301,13 +262,13 @@ void gemv_quant_to(const char* name, quant_type t, const void* w, int64_t n_out,
 int64_t norm_fold_parts(int64_t n_out) { return fold_parts(n_out); }
 
 void gemv_quant(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch,
-                cudaStream_t stream, int64_t ldy, int unroll) {
-  gemv_quant_to("gemv_quant", t, w, n_out, n_in, x, y, batch, stream, ldy, unroll);
+                cudaStream_t stream, int64_t ldy, int unroll, const gemv_norm& norm) {
+  gemv_quant_to("gemv_quant", t, w, n_out, n_in, x, y, batch, stream, ldy, unroll, norm);
 }
 
 void gemv_quant_f32(quant_type t, const void* w, int64_t n_out, int64_t n_in, const bf16* x, float* y, int batch,
                     cudaStream_t stream, int64_t ldy, int unroll) {
-  gemv_quant_to("gemv_quant_f32", t, w, n_out, n_in, x, y, batch, stream, ldy, unroll);
+  gemv_quant_to("gemv_quant_f32", t, w, n_out, n_in, x, y, batch, stream, ldy, unroll, gemv_norm{});
 }
 
 void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* y, int batch, cudaStream_t stream,
@@ -326,9 +287,15 @@ void gemv_bf16(const bf16* w, int64_t n_out, int64_t n_in, const bf16* x, bf16* 
   const auto blocks = unsigned(norm_fold_parts(n_out));
   with_batch(batch, [&](auto b) {
     constexpr int B = decltype(b)::value;
-    auto kernel = reader ? (writer ? gemv_bf16_kernel<B, true, true> : gemv_bf16_kernel<B, true, false>)
-                         : (writer ? gemv_bf16_kernel<B, false, true> : gemv_bf16_kernel<B, false, false>);
-    launch(kernel, blocks, gemv_warps * 32, 0, stream, w, n_out, n_in, x, y, prefetch_bytes, norm);
+    if (writer && reader)
+      launch(gemv_writer_kernel<bf16_rows<B, true>, B>, blocks, gemv_warps * 32, 0, stream,
+             bf16_rows<B, true>{w, n_in, prefetch_bytes, norm}, n_out, x, y, norm);
+    else if (writer)
+      launch(gemv_writer_kernel<bf16_rows<B, false>, B>, blocks, gemv_warps * 32, 0, stream,
+             bf16_rows<B, false>{w, n_in, prefetch_bytes, norm}, n_out, x, y, norm);
+    else
+      launch(reader ? gemv_bf16_kernel<B, true> : gemv_bf16_kernel<B, false>, blocks, gemv_warps * 32, 0, stream, w, n_out,
+             n_in, x, y, prefetch_bytes, norm);
   });
   check_launch("gemv_bf16");
 }

@@ -290,6 +290,112 @@ TEST_CASE("gemv_quant_swiglu equals gemv_quant then swiglu bit for bit", "[cuda]
   CHECK_THROWS_AS(gemv_quant_swiglu(m, 2, 256, x.p, act.p, 1, nullptr), cuda_error);
 }
 
+TEST_CASE("gemv_quant with the residual add and RMSNorm folded in (gemv_norm): writer bits, reader scale, fused readers' bits", "[cuda]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 g(seed);
+  const bool pdl = GENERATE(false, true);
+  const pdl_scope scope(pdl);
+  const float eps = 1e-5f;
+  for (const auto& ti : types) {
+    // {d, writer inputs k}: a reader behind (d whole blocks); a writer whose last CTA has one row.
+    const int64_t shapes[][2] = {{512, 512}, {37, 256}};
+    for (const auto& sh : shapes) {
+      const int64_t d = sh[0], k = sh[1], m = 13, parts = norm_fold_parts(d);
+      const bool has_reader = d % ti.block_values == 0;
+      const auto raw1 = random_blocks(ti, d * (k / ti.block_values), g);
+      const auto raw2 = has_reader ? random_blocks(ti, 2 * m * (d / ti.block_values), g) : std::vector<uint8_t>{};
+      dev_buf<uint8_t> d_w1(raw1), d_w2(has_reader ? raw2 : std::vector<uint8_t>(2));
+      const auto gain = random_floats(size_t(d), g, 0.5f, 1.5f);
+      dev_buf<float> d_gain(gain);
+      for (const int batch : {1, 3, 8})
+        for (const int unroll : {1, 8}) {
+          INFO("type " << int(ti.t) << " pdl " << pdl << " d " << d << " batch " << batch << " unroll " << unroll);
+          const auto a = round_bf16(random_floats(size_t(batch * k), g));
+          auto r0 = random_floats(size_t(batch * d), g, -4.0f, 4.0f);
+          for (int b = 0; b < batch; ++b)  // each batch row at its own scale: a reader of another row's sums is off
+            for (int64_t i = 0; i < d; ++i) r0[size_t(b * d + i)] *= 0.5f * float(b + 1);
+          dev_buf<bf16> d_a(to_bf16(a));
+          const size_t bd = size_t(batch * d);
+          // Unfused: the plain GEMV, then add_rmsnorm's residual update.
+          dev_buf<float> d_r_ref(r0);
+          dev_buf<bf16> d_y(bd), d_h(bd);
+          gemv_quant(ti.t, d_w1.p, d, k, d_a.p, d_y.p, batch, nullptr, 0, unroll);
+          add_rmsnorm(d_r_ref.p, d_y.p, d_gain.p, d_h.p, batch, int(d), eps, nullptr);
+          // The writer: the same residual bits, x * gain, the partial sums of squares.
+          dev_buf<float> d_r(r0), d_ss(size_t(batch * parts));
+          dev_buf<bf16> d_xg(bd);
+          d_xg.poison();
+          d_ss.poison();
+          gemv_norm writer;
+          writer.residual = d_r.p, writer.norm_w = d_gain.p, writer.sumsq_out = d_ss.p;
+          gemv_quant(ti.t, d_w1.p, d, k, d_a.p, d_xg.p, batch, nullptr, 0, unroll, writer);
+          const std::vector<float> r = d_r.download(), ss = d_ss.download();
+          CHECK(std::memcmp(r.data(), d_r_ref.download().data(), d_r.bytes()) == 0);
+          std::vector<float> want_xg(bd), want_ss(size_t(batch * parts), 0.0f);
+          std::vector<double> scale(size_t(batch), 0.0);
+          for (int b = 0; b < batch; ++b) {
+            for (int64_t i = 0; i < d; ++i) {
+              const float v = r[size_t(b * d + i)];
+              want_xg[size_t(b * d + i)] = v * gain[size_t(i)];
+              want_ss[size_t(b * parts + i / 4)] += v * v;
+              scale[size_t(b)] += double(v) * v;
+            }
+            scale[size_t(b)] = 1.0 / std::sqrt(scale[size_t(b)] / double(d) + eps);
+          }
+          CHECK(std::memcmp(to_bf16(want_xg).data(), d_xg.download().data(), d_xg.bytes()) == 0);
+          double ss_err = 0.0;
+          for (size_t i = 0; i < ss.size(); ++i) ss_err = std::max(ss_err, std::fabs(double(ss[i]) - want_ss[i]) / (1e-30 + want_ss[i]));
+          CHECK(ss_err <= 1e-6);
+          if (!has_reader) continue;
+          // The reader: each unscaled sum (gemv_quant_f32 of the same input) times its row's norm
+          // scale, rounded to bf16 (the device sums the partials in another order: a bf16 step of slack).
+          gemv_norm reader;
+          reader.sumsq_in = d_ss.p, reader.eps = eps;
+          dev_buf<bf16> d_gu(size_t(batch * 2 * m));
+          dev_buf<float> d_gu32(size_t(batch * 2 * m));
+          d_gu.poison();
+          gemv_quant(ti.t, d_w2.p, 2 * m, d, d_xg.p, d_gu.p, batch, nullptr, 0, unroll, reader);
+          gemv_quant_f32(ti.t, d_w2.p, 2 * m, d, d_xg.p, d_gu32.p, batch, nullptr, 0, unroll);
+          const std::vector<float> gu = from_bf16(d_gu.download()), plain = d_gu32.download();
+          double worst = 0.0;
+          for (int b = 0; b < batch; ++b)
+            for (int64_t o = 0; o < 2 * m; ++o) {
+              const size_t i = size_t(b * 2 * m + o);
+              const double want = double(plain[i]) * scale[size_t(b)];
+              worst = std::max(worst, std::fabs(gu[i] - want) / (std::ldexp(std::fabs(want), -7) + 1e-30));
+            }
+          CHECK(worst <= 1.0);
+          // The SwiGLU GEMV as a reader: the bits of the reader gemv_quant, then swiglu.
+          dev_buf<bf16> d_two(size_t(batch * m)), d_one(size_t(batch * m));
+          d_one.poison();
+          swiglu(d_gu.p, d_two.p, batch, int(m), nullptr);
+          quant_matrix qm;
+          qm.qt = ti.t, qm.n_parts = 1, qm.raw[0] = d_w2.p;
+          gemv_quant_swiglu(qm, m, d, d_xg.p, d_one.p, batch, nullptr, unroll, reader);
+          CHECK(std::memcmp(d_one.download().data(), d_two.download().data(), d_one.bytes()) == 0);
+        }
+    }
+  }
+  dev_buf<uint8_t> w(quant_row_bytes(quant_type::q8_0, 32) * 8);
+  dev_buf<bf16> x(size_t(32)), y(size_t(16));
+  dev_buf<float> f(size_t(16)), sums(size_t(8));
+  gemv_norm writer;
+  writer.residual = f.p, writer.norm_w = f.p, writer.sumsq_out = sums.p;
+  gemv_norm both = writer;
+  both.sumsq_in = sums.p + 4;
+  CHECK_THROWS_AS(gemv_quant(quant_type::q8_0, w.p, 4, 32, x.p, y.p, 1, nullptr, 0, 1, both), cuda_error);  // writer and reader
+  CHECK_THROWS_AS(gemv_quant(quant_type::q8_0, w.p, 4, 32, x.p, y.p, 1, nullptr, 8, 1, writer), cuda_error);  // a writer's ldy
+  gemv_norm no_gain = writer;
+  no_gain.norm_w = nullptr;
+  CHECK_THROWS_AS(gemv_quant(quant_type::q8_0, w.p, 4, 32, x.p, y.p, 1, nullptr, 0, 1, no_gain), cuda_error);
+  quant_matrix qm;
+  qm.qt = quant_type::q8_0, qm.n_parts = 1, qm.raw[0] = w.p;
+  CHECK_THROWS_AS(gemv_quant_swiglu(qm, 4, 32, x.p, y.p, 1, nullptr, 1, writer), cuda_error);
+  CHECK_NOTHROW(gemv_quant(quant_type::q8_0, w.p, 4, 32, x.p, y.p, 1, nullptr, 0, 1, writer));
+  check(cudaDeviceSynchronize(), "gemv_quant");
+}
+
 TEST_CASE("gemv_bf16 with the residual add and RMSNorm folded in (gemv_norm) against add_rmsnorm and the host", "[cuda]") {
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);

@@ -21,6 +21,7 @@
 
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/device_util.cuh"
+#include "kernels/cuda/gemv_fused.cuh"
 #include "kernels/cuda/launch.cuh"
 
 namespace troupe::kernels::cuda {
@@ -337,6 +338,36 @@ __device__ __forceinline__ void quant_row_dots(const uint8_t* __restrict__ row, 
   for (int b = 0; b < B; ++b) acc[b] = warp_sum(acc[b]);
 }
 
+// Rows of a quant_matrix of type T for gemv_fused.cuh's kernels: warp w's dots by
+// quant_row_dots (the same sums as gemv_quant's), scaled as a gemv_norm reader when Reader; with
+// no row, only the wait for the kernel ahead.
+template <quant_type T, int B, int Unroll, bool Reader>
+struct quant_rows {
+  static constexpr int batch = B;
+  quant_matrix m;
+  int64_t n_in;
+  gemv_norm norm;
+  __device__ const uint8_t* row_at(int64_t row) const {
+    int p = m.n_parts - 1;
+    while (p > 0 && row < m.row0[p]) --p;
+    return static_cast<const uint8_t*>(m.raw[p]) + (row - m.row0[p]) * (n_in / layout<T>::block_values) * layout<T>::block_bytes;
+  }
+  __device__ void cta_dots(int64_t row, const bf16* __restrict__ x, float (&sums)[gemv_warps][B]) const {
+    if (row >= 0) {
+      float acc[B];
+      quant_row_dots<T, B, Unroll>(row_at(row), n_in, x, acc);
+      if constexpr (Reader) apply_norm_reader<B>(norm, n_in, acc);
+      const int lane = threadIdx.x & 31;
+#pragma unroll
+      for (int b = 0; b < B; ++b)
+        if (lane == b) sums[threadIdx.x >> 5][b] = acc[b];
+    } else {
+      pdl_wait();
+    }
+    __syncthreads();
+  }
+};
+
 // ---- host side ----------------------------------------------------------------------------------
 
 // f(std::integral_constant<int, batch>{}) for batch in [1, max_batch].
@@ -368,21 +399,21 @@ void with_type(quant_type t, F&& f) {
   throw cuda_error("quantized GEMV: unknown quant_type " + std::to_string(int(t)));
 }
 
-int block_values(quant_type t) {
+inline int block_values(quant_type t) {
   int n = 0;
   with_type(t, [&](auto c) { n = layout<decltype(c)::value>::block_values; });
   return n;
 }
 
-bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte.
-bool overlaps(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
+inline bool overlaps(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
   const auto pa = reinterpret_cast<uintptr_t>(a), pb = reinterpret_cast<uintptr_t>(b);
   return pa < pb + uintptr_t(b_bytes) && pb < pa + uintptr_t(a_bytes);
 }
 
-void check_args(quant_type t, const void* w, int64_t n, const char* name) {
+inline void check_args(quant_type t, const void* w, int64_t n, const char* name) {
   // q4_k and q5_k read 32-bit words of 144- and 176-byte blocks; the others 16-bit words.
   const bool words = t == quant_type::q4_k || t == quant_type::q5_k;
   if (n % block_values(t) != 0 || !aligned(w, words ? 4 : 2))
@@ -398,6 +429,43 @@ void with_unroll(int unroll, const char* name, F&& f) {
     case 8: return f(std::integral_constant<int, 8>{});
   }
   throw cuda_error(std::string(name) + ": unroll must be 1, 4 or 8");
+}
+
+// The checks gemv_quant makes, for a quant_matrix of n_out rows read by `batch` rows of x.
+inline void check_quant_matrix(const char* name, const quant_matrix& w, int64_t n_out, int64_t n_in, const bf16* x, int batch, int unroll) {
+  const std::string n = name;
+  if (batch < 1 || batch > max_batch) throw cuda_error(n + ": batch must be in [1, 8]");
+  if (w.n_parts < 1 || w.n_parts > 3 || w.row0[0] != 0) throw cuda_error(n + ": a quant_matrix has 1 to 3 parts, the first at row 0");
+  for (int p = 0; p < w.n_parts; ++p) {
+    check_args(w.qt, w.raw[p], n_in, name);
+    if (p > 0 && !(w.row0[p] > w.row0[p - 1] && w.row0[p] < n_out))
+      throw cuda_error(n + ": a quant_matrix's parts must start at increasing rows below n_out");
+  }
+  if (!aligned(x, 8)) throw cuda_error(n + ": x must be 8-byte aligned");
+  if (unroll != 1 && unroll != 4 && unroll != 8) throw cuda_error(n + ": unroll must be 1, 4 or 8");
+}
+
+// A gemv_norm that is a reader or nothing (the fused quantized GEMVs' inputs are a norm's).
+inline void check_norm_reader(const char* name, const gemv_norm& norm) {
+  if (norm.residual || norm.norm_w || norm.sumsq_out) throw cuda_error(std::string(name) + ": a norm reader only");
+}
+
+// f(quant_rows<T, B, Unroll, Reader>{w, n_in, norm}) for w's type, the batch, the unroll and
+// whether norm is a reader.
+template <class F>
+void with_rows(const quant_matrix& w, int64_t n_in, int batch, int unroll, const gemv_norm& norm, const char* name, F&& f) {
+  with_type(w.qt, [&](auto type) {
+    with_batch(batch, [&](auto b) {
+      with_unroll(unroll, name, [&](auto u) {
+        constexpr quant_type T = decltype(type)::value;
+        constexpr int B = decltype(b)::value, U = decltype(u)::value;
+        if (norm.sumsq_in)
+          f(quant_rows<T, B, U, true>{w, n_in, norm});
+        else
+          f(quant_rows<T, B, U, false>{w, n_in, norm});
+      });
+    });
+  });
 }
 
 }  // namespace
