@@ -20,7 +20,6 @@ int decode_bucket(int n) { return (int)std::bit_ceil((unsigned)std::max(n, 1)); 
 // graph serves every context up to it.
 int context_bound(int kv_len) { return (int)std::bit_ceil((unsigned)std::max(kv_len, min_context_bound)); }
 
-size_t align_up(size_t n) { return (n + 255) & ~size_t{255}; }
 
 // The CUDA forward is the Llama-family one (llama, mistral, qwen2).
 const model& supported(const model& m) {

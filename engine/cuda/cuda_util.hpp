@@ -17,6 +17,9 @@ namespace troupe::engine::cuda {
 namespace kc = troupe::kernels::cuda;
 using kc::bf16;
 
+/// n rounded up to a multiple of 256 bytes (where one buffer's sub-allocations start).
+inline size_t align_up(size_t n) { return (n + 255) & ~size_t{255}; }
+
 /// Selects `device` on the calling thread; cuda_error names the index and the count present.
 void select_device(int device);
 

@@ -33,8 +33,6 @@ void wait_for(cudaStream_t stream, std::chrono::milliseconds timeout, const char
   sync_stream(stream, ev.get(), timeout, what);
 }
 
-size_t align_up(size_t n) { return (n + 255) & ~size_t{255}; }
-
 // Bytes a batch-1 step reads beside the matrices: its one embedding row (bf16), the norm weights
 // and the q/k/v biases (fp32).
 size_t small_bytes_per_token(const model_hparams& hp, bool biases) {

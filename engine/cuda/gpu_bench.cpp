@@ -357,11 +357,12 @@ void run(const args& a) {
   line("weight_bytes", weight_bytes / 1e9, "GB");
   const double kv_bytes_per_pos = (double)f->kv().block_bytes() / bs;
 
-  // Weight and KV bytes of a step over the copy rate; the average context over the timed steps is
-  // about a.context - steps / 2.
-  const auto roofline_of = [&](int batch) {
-    return (weight_bytes + (double)batch * (a.context - a.steps / 2.0) * kv_bytes_per_pos) / bw;
+  // Weight and KV bytes of a step of `batch` rows over the copy rate; the average context over the
+  // timed steps is about a.context - steps / 2.
+  const auto roofline_with = [&](double weights, int batch) {
+    return (weights + (double)batch * (a.context - a.steps / 2.0) * kv_bytes_per_pos) / bw;
   };
+  const auto roofline_of = [&](int batch) { return roofline_with(weight_bytes, batch); };
   ec::gemm_runner decode_gemms;
   double best_b1 = 1e30;  // the fastest batch-1 step of any launch options, and its line's name
   std::string best_b1_name;
@@ -585,7 +586,8 @@ void run(const args& a) {
       line(b + "_weight_bytes", bytes / 1e9, "GB");
       // Plain, then with 4 and 8 units' loads in flight a lane (launch_options::quant_gemv_unroll),
       // then the fused launches (gemv_quant_swiglu in every layer, gemv_quant_rope_qkv where Q, K
-      // and V share a type: the odd layers of the Q4_K_M mix, all of q8_0's; the attention merge).
+      // and V share a type: the odd layers of the Q4_K_M mix, all of q8_0's; the norm folded into
+      // the GEMVs; the attention merge).
       struct variant_q {
         int batch, unroll;
         bool fused;
@@ -597,7 +599,7 @@ void run(const args& a) {
         qf->set_launch_options(l);
         double t = decode_step_time(*qf, batch, a);
         for (int rep = 1; batch == 1 && rep < 3; ++rep) t = std::min(t, decode_step_time(*qf, batch, a));
-        const double roofline = (bytes + (double)batch * (a.context - a.steps / 2.0) * kv_bytes_per_pos) / bw;
+        const double roofline = roofline_with((double)qf->step_weight_bytes(batch), batch);
         const std::string bb =
             b + "_b" + std::to_string(batch) + (unroll > 1 ? "_unroll" + std::to_string(unroll) : "") + (fused ? "_fused" : "");
         line(bb + "_step", t * 1e3, "ms");

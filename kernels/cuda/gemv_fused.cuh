@@ -1,5 +1,6 @@
-// The GEMVs that finish their own outputs (launch_options::gemv_swiglu, gemv_rope), written once
-// for any weight format. `Rows` supplies one CTA's dot products:
+// The GEMVs that finish their own outputs (launch_options::gemv_swiglu, gemv_rope, and the writer
+// side of gemv_fold_norm), written once for any weight format, with the folded norm's helpers.
+// `Rows` supplies one CTA's dot products:
 //
 //   __device__ void cta_dots(int64_t row, const bf16* x, float (&sums)[gemv_warps][B]) const;
 //
@@ -7,9 +8,9 @@
 // own; -1: none, the warp only waits for the kernel ahead) and lane b stores the b-th in
 // sums[w][b], then the CTA meets at a barrier. Before it returns every thread has waited for the
 // kernel ahead (pdl_wait), so the epilogues below may write. bf16 weights: quant.cu's bf16_rows;
-// GGUF blocks: quant_fused.cu's quant_rows. Each rounds a dot product to bf16 before its epilogue,
-// as the plain GEMV stores it, so the fused kernel gives the bits of that GEMV followed by swiglu
-// or rope_qkv_store.
+// GGUF blocks: quant_layout.cuh's quant_rows. Each rounds a dot product to bf16 before its
+// epilogue, as the plain GEMV stores it, so the fused kernel gives the bits of that GEMV followed
+// by swiglu, rope_qkv_store or add_rmsnorm's residual update.
 #pragma once
 
 #include <cstdint>

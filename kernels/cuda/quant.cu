@@ -227,12 +227,17 @@ void gemv_quant_to(const char* name, quant_type t, const void* w, int64_t n_out,
   const auto blocks = unsigned((n_out + gemv_warps - 1) / gemv_warps);
   const auto* raw = static_cast<const uint8_t*>(w);
   if constexpr (std::is_same_v<Out, bf16>) {
-    if (writer) {
+    if (writer) {  // over one part, reading no norm
       quant_matrix m;
       m.qt = t, m.n_parts = 1, m.raw[0] = w;
-      with_rows(m, n_in, batch, unroll, norm, name, [&](auto rows) {
-        launch(gemv_writer_kernel<decltype(rows), decltype(rows)::batch>, blocks, gemv_warps * 32, 0, stream, rows, n_out, x, y,
-               norm);
+      with_type(t, [&](auto type) {
+        with_batch(batch, [&](auto b) {
+          with_unroll(unroll, name, [&](auto u) {
+            using rows = quant_rows<decltype(type)::value, decltype(b)::value, decltype(u)::value, false>;
+            launch(gemv_writer_kernel<rows, rows::batch>, blocks, gemv_warps * 32, 0, stream, rows{m, n_in, norm}, n_out, x, y,
+                   norm);
+          });
+        });
       });
       check_launch(name);
       return;

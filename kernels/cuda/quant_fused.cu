@@ -1,5 +1,6 @@
 // The quantized GEMVs that finish their own outputs: gemv_fused.cuh's SwiGLU and RoPE kernels over
-// GGUF blocks (quant_layout.cuh), for every type, batch and unroll gemv_quant takes.
+// GGUF blocks (quant_layout.cuh's quant_rows), for every type, batch and unroll gemv_quant takes,
+// with or without a norm reader. (gemv_quant's norm writer is in quant.cu.)
 #include <cstdint>
 #include <string>
 
@@ -9,10 +10,6 @@
 #include "kernels/cuda/quant_layout.cuh"
 
 namespace troupe::kernels::cuda {
-
-namespace {
-
-}  // namespace
 
 void gemv_quant_swiglu(const quant_matrix& w, int64_t d_ff, int64_t n_in, const bf16* x, bf16* act, int batch,
                        cudaStream_t stream, int unroll, const gemv_norm& norm) {

@@ -1,6 +1,7 @@
-// GGUF block layouts as the quantized GEMVs read them on the device (quant.cu's plain GEMV, the
-// fused SwiGLU and RoPE ones of quant_fused.cu), one warp's dot products over a quantized row, and
-// the host-side checks and type/batch dispatch their launchers share.
+// GGUF block layouts as the quantized GEMVs read them on the device (quant.cu's plain GEMV and norm
+// writer, the fused SwiGLU and RoPE ones of quant_fused.cu), one warp's dot products over a
+// quantized row, the row source the fused kernels of gemv_fused.cuh take (quant_rows), and the
+// host-side checks and type/batch/unroll dispatch their launchers share.
 //
 // Work is cut into "units" of 8 weights whose quantized bytes are contiguous: a quarter of a
 // q8_0 block, a quarter of a q4_0 or q4_1 block (4 bytes: weights j..j+3 low nibbles, j+16..j+19
