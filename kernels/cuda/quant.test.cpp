@@ -108,6 +108,30 @@ double gemv_error(const std::vector<float>& got, const std::vector<float>& want,
   return worst;
 }
 
+/// A gemv_norm writer's outputs against the host, from the residual r it left (batch rows of d):
+/// x * gain (xg) bit for bit and the partial sums of squares (ss) within 1e-6. Returns each batch
+/// row's exact RMSNorm scale, 1 / sqrt(mean r^2 + eps), for the reader behind it.
+std::vector<double> check_norm_writer(const std::vector<float>& r, const std::vector<float>& gain, const std::vector<bf16>& xg,
+                                      const std::vector<float>& ss, int batch, int64_t d, float eps) {
+  const int64_t parts = norm_fold_parts(d);
+  std::vector<float> want_xg(size_t(batch * d)), want_ss(size_t(batch * parts), 0.0f);
+  std::vector<double> scale(size_t(batch), 0.0);
+  for (int b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < d; ++i) {
+      const float v = r[size_t(b * d + i)];
+      want_xg[size_t(b * d + i)] = v * gain[size_t(i)];
+      want_ss[size_t(b * parts + i / 4)] += v * v;
+      scale[size_t(b)] += double(v) * v;
+    }
+    scale[size_t(b)] = 1.0 / std::sqrt(scale[size_t(b)] / double(d) + eps);
+  }
+  CHECK(std::memcmp(to_bf16(want_xg).data(), xg.data(), xg.size() * sizeof(bf16)) == 0);
+  double ss_err = 0.0;
+  for (size_t i = 0; i < ss.size(); ++i) ss_err = std::max(ss_err, std::fabs(double(ss[i]) - want_ss[i]) / (1e-30 + want_ss[i]));
+  CHECK(ss_err <= 1e-6);
+  return scale;
+}
+
 }  // namespace
 
 TEST_CASE("gemv_quant matches dequantized weights times bf16 activations", "[cuda]") {
@@ -330,23 +354,9 @@ TEST_CASE("gemv_quant with the residual add and RMSNorm folded in (gemv_norm): w
           gemv_norm writer;
           writer.residual = d_r.p, writer.norm_w = d_gain.p, writer.sumsq_out = d_ss.p;
           gemv_quant(ti.t, d_w1.p, d, k, d_a.p, d_xg.p, batch, nullptr, 0, unroll, writer);
-          const std::vector<float> r = d_r.download(), ss = d_ss.download();
+          const std::vector<float> r = d_r.download();
           CHECK(std::memcmp(r.data(), d_r_ref.download().data(), d_r.bytes()) == 0);
-          std::vector<float> want_xg(bd), want_ss(size_t(batch * parts), 0.0f);
-          std::vector<double> scale(size_t(batch), 0.0);
-          for (int b = 0; b < batch; ++b) {
-            for (int64_t i = 0; i < d; ++i) {
-              const float v = r[size_t(b * d + i)];
-              want_xg[size_t(b * d + i)] = v * gain[size_t(i)];
-              want_ss[size_t(b * parts + i / 4)] += v * v;
-              scale[size_t(b)] += double(v) * v;
-            }
-            scale[size_t(b)] = 1.0 / std::sqrt(scale[size_t(b)] / double(d) + eps);
-          }
-          CHECK(std::memcmp(to_bf16(want_xg).data(), d_xg.download().data(), d_xg.bytes()) == 0);
-          double ss_err = 0.0;
-          for (size_t i = 0; i < ss.size(); ++i) ss_err = std::max(ss_err, std::fabs(double(ss[i]) - want_ss[i]) / (1e-30 + want_ss[i]));
-          CHECK(ss_err <= 1e-6);
+          const std::vector<double> scale = check_norm_writer(r, gain, d_xg.download(), d_ss.download(), batch, d, eps);
           if (!has_reader) continue;
           // The reader: each unscaled sum (gemv_quant_f32 of the same input) times its row's norm
           // scale, rounded to bf16 (the device sums the partials in another order: a bf16 step of slack).
@@ -444,24 +454,9 @@ TEST_CASE("gemv_bf16 with the residual add and RMSNorm folded in (gemv_norm) aga
       gemv_norm writer;
       writer.residual = d_r.p, writer.norm_w = d_gain.p, writer.sumsq_out = d_ss.p;
       gemv_bf16(d_w1.p, d, k, d_a.p, d_xg.p, batch, nullptr, 0, writer);
-      const std::vector<float> r = d_r.download(), ss = d_ss.download(), xg = from_bf16(d_xg.download());
+      const std::vector<float> r = d_r.download();
       CHECK(std::memcmp(r.data(), d_r_ref.download().data(), d_r.bytes()) == 0);
-      std::vector<float> want_xg(bd), want_ss(size_t(batch * parts), 0.0f);
-      std::vector<double> scale((size_t)batch);
-      for (int b = 0; b < batch; ++b) {
-        double total = 0.0;
-        for (int64_t i = 0; i < d; ++i) {
-          const float v = r[size_t(b * d + i)];
-          want_xg[size_t(b * d + i)] = v * gain[size_t(i)];
-          want_ss[size_t(b * parts + i / 4)] += v * v;
-          total += double(v) * v;
-        }
-        scale[size_t(b)] = 1.0 / std::sqrt(total / double(d) + eps);
-      }
-      CHECK(std::memcmp(to_bf16(want_xg).data(), d_xg.download().data(), d_xg.bytes()) == 0);
-      double ss_err = 0.0;
-      for (size_t i = 0; i < ss.size(); ++i) ss_err = std::max(ss_err, std::fabs(double(ss[i]) - want_ss[i]) / (1e-30 + want_ss[i]));
-      CHECK(ss_err <= 1e-6);
+      const std::vector<double> scale = check_norm_writer(r, gain, d_xg.download(), d_ss.download(), batch, d, eps);
       if (!has_reader) continue;
 
       // The reader against the host's exact norm and the unfused path.
