@@ -36,12 +36,16 @@ export CMAKE_ARGS="-DCMAKE_C_FLAGS='$llama_flags' -DCMAKE_CXX_FLAGS='$llama_flag
 want="$(cat "$req"; echo "# CMAKE_ARGS=$CMAKE_ARGS")"
 if [[ ! -f $stamp ]] || [[ "$(cat "$stamp")" != "$want" ]]; then
   echo "setup: installing Python packages from scripts/requirements.txt"
-  "$venv/bin/pip" install -q --disable-pip-version-check -r "$req"
-  if [[ -f $stamp ]] && ! grep -qxF "# CMAKE_ARGS=$CMAKE_ARGS" "$stamp"; then  # built with other flags before
-    echo "setup: rebuilding llama-cpp-python with this script's flags"
-    "$venv/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps --no-cache-dir \
-      "$(grep -E '^llama-cpp-python==' "$req")"
-  fi
+  llama=$(grep -E '^llama-cpp-python==' "$req")
+  others=$(mktemp)
+  grep -vE '^llama-cpp-python==' "$req" > "$others"
+  "$venv/bin/pip" install -q --disable-pip-version-check -r "$others"
+  rm -f "$others"
+  # Never from pip's wheel cache (a wheel built with other flags, e.g. by an older set-up); a venv
+  # whose llama.cpp was built with other flags is rebuilt.
+  again=()
+  if [[ -f $stamp ]] && ! grep -qxF "# CMAKE_ARGS=$CMAKE_ARGS" "$stamp"; then again=(--force-reinstall --no-deps); fi
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir "${again[@]}" "$llama"
   printf '%s\n' "$want" > "$stamp"
 fi
 
