@@ -133,7 +133,7 @@ struct engine_handle::impl {
 };
 
 engine::kv_shape engine_kv_shape(const engine::model& m, const engine_options& o) {
-  return engine::model_kv_shape(m, o.kv_block_size, o.kv_window_groups && o.cuda_device < 0 && o.pipeline_parallel == 1);
+  return engine::model_kv_shape(m, o.kv_block_size, o.kv_window_groups && o.pipeline_parallel == 1);
 }
 
 std::unique_ptr<engine_handle> engine_handle::start(const engine_options& o) {

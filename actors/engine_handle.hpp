@@ -102,8 +102,8 @@ struct engine_options {
   uint64_t dummy_seed = 0;
   int n_threads = 1;
   int kv_block_size = 16;
-  // Sliding-window layers in their own KV groups, each keeping its window's blocks only (CPU
-  // backend without pipeline stages; elsewhere every layer keeps every position: engine_kv_shape).
+  // Sliding-window layers in their own KV groups, each keeping its window's blocks only (CPU or
+  // CUDA backend without pipeline stages; with them every layer keeps every position: engine_kv_shape).
   bool kv_window_groups = true;
   int32_t n_device_blocks = 0;  // 0: derived from max_kv_bytes
   int32_t n_host_blocks = 0;    // swap space; 0: as many as device blocks
@@ -160,7 +160,7 @@ struct engine_options {
 };
 
 /// The KV shape an engine started with `o` builds for model m: its sliding-window layers in groups
-/// of their own when o.kv_window_groups and the backend supports it (CPU, no pipeline stages).
+/// of their own when o.kv_window_groups and the backend supports it (no pipeline stages).
 engine::kv_shape engine_kv_shape(const engine::model& m, const engine_options& o);
 
 struct engine_stats {

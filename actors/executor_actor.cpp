@@ -155,6 +155,7 @@ class cuda_backend final : public backend {
     o.n_blocks = c.n_device_blocks;  // the scheduler's block manager addresses exactly these
     o.n_host_blocks = c.n_host_blocks;
     o.block_size = c.kv.block_size;
+    o.kv_window_groups = c.kv.n_groups > 1;  // the KV manager's layout (engine_kv_shape)
     // Step buffers sized for the scheduler's steps (cuda_forward raises them to its minimums).
     o.max_batch_tokens = c.max_batch_tokens;
     o.max_seqs = c.max_seqs;

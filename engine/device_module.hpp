@@ -37,6 +37,7 @@ struct device_forward_options {
   bool graphs = true;          // decode steps from CUDA graphs (cuda_options::use_graphs)
   bool fused_decode = false;   // the fused decode launches (engine::cuda::fused_decode)
   int64_t sync_timeout_ms = 0;  // longest wait for the device in a step (0: cuda_options' default)
+  bool kv_window_groups = true;  // sliding-window layers in KV groups of their own (cuda_options::kv_window_groups)
 };
 
 /// The module's forward (engine::cuda::cuda_forward behind it; see its header for the contracts).
@@ -76,7 +77,7 @@ double cuda_copy_bandwidth(int device, size_t bytes, int reps);
 
 /// The module's entry points (C linkage, looked up by name; the version guards against a module
 /// from another build).
-inline constexpr int cuda_module_abi = 8;
+inline constexpr int cuda_module_abi = 9;
 extern "C" {
 using cuda_module_abi_fn = int (*)();
 using cuda_module_device_count_fn = int (*)();

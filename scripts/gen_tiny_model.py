@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Writes tiny random-weight Llama-family GGUF models for tests.
+"""Writes tiny random-weight Llama-family (and Gemma 3) GGUF models for tests.
 
-The files use the metadata keys and tensor names llama.cpp uses (llama and qwen2 architectures),
+The files use the metadata keys and tensor names llama.cpp uses (llama, qwen2 and gemma3
+architectures; gemma3 adds QK-norm weights, the norms of each block's output and a sliding window),
 a small byte-level "gpt2" tokenizer (256 byte tokens through the GPT-2 byte<->unicode map, a few
 dozen merges and four control tokens) and any of the weight types troupe reads. Everything is
 seeded: the same arguments give the same bytes.
@@ -50,6 +51,7 @@ FILE_TYPES: dict[str, int] = {
     "bf16": 32,
 }
 ROPE_BASE = 10000.0
+GEMMA_ROPE_BASE = 1e6  # Gemma 3's global layers (its sliding-window layers: 10000, fixed)
 RMS_EPS = 1e-5
 
 
@@ -74,6 +76,7 @@ class ModelSpec:
     # "k_m": llama.cpp's Q4_K_M / Q5_K_M mix over qtype's layers: attn_v and ffn_down of every
     # other layer (0, 2, ...) and an untied output head in q6_k, the rest in qtype
     mix: str | None = None
+    sliding_window: int = 0  # gemma3: positions a sliding-window layer (il % 6 < 5) attends to
 
     @property
     def embd_type(self) -> str:
@@ -83,7 +86,9 @@ class ModelSpec:
         def need(cond: bool, what: str) -> None:
             if not cond:
                 raise ValueError(f"invalid model spec: {what} ({self})")
-        need(self.arch in ("llama", "qwen2"), "arch must be llama or qwen2")
+        need(self.arch in ("llama", "qwen2", "gemma3"), "arch must be llama, qwen2 or gemma3")
+        need(self.arch != "gemma3" or (self.sliding_window > 0 and self.n_expert == 0),
+             "gemma3 needs a sliding window and no experts")
         need(self.qtype in QTYPES and self.embd_type in QTYPES,
              f"qtype must be one of {', '.join(QTYPES)}")
         need(min(self.n_layer, self.d_model, self.n_head, self.n_kv_head, self.head_dim,
@@ -168,6 +173,15 @@ PRESETS: dict[str, tuple[ModelSpec, bool]] = {
     "qwen2_q4_1_untied": (_spec(arch="qwen2", qtype="q4_1", tied=False, seed=24), True),
     "qwen2_q6_k_gqa4": (_spec(arch="qwen2", qtype="q6_k", d_model=256, n_head=4, n_kv_head=1,
                               head_dim=64, d_ff=256, seed=25), True),
+}
+
+# Gemma 3 at Gemma 3 270M's head shape (4 query heads of 256 over one KV head), 6 layers (the
+# last global, the others a window of 24 positions), bf16 (4.9 MB: it travels to the device too):
+# kept apart from PRESETS, whose tests hold every preset to the Llama-family numpy reference
+# (llama_ref.py); Gemma 3's is gemma3_ref.py.
+GEMMA_PRESETS: dict[str, tuple[ModelSpec, bool]] = {
+    "gemma3_bf16_hd256": (_spec(arch="gemma3", n_layer=6, d_model=128, n_head=4, n_kv_head=1,
+                                head_dim=256, d_ff=192, qtype="bf16", sliding_window=24, seed=40), False),
 }
 
 
@@ -329,18 +343,26 @@ def _weights(spec: ModelSpec) -> dict[str, np.ndarray]:
     def vec(n: int, mean: float, std: float) -> np.ndarray:
         return (mean + rng.standard_normal(n) * std).astype(np.float32)
 
-    w = {"token_embd.weight": mat(spec.n_vocab, d, 3.0 / np.sqrt(d))}
+    # gemma3 scales its embeddings by sqrt(d): 1/sqrt(d) here keeps its logits as spread as the others'
+    w = {"token_embd.weight": mat(spec.n_vocab, d, (1.0 if spec.arch == "gemma3" else 3.0) / np.sqrt(d))}
     for i in range(spec.n_layer):
         p = f"blk.{i}."
         w[p + "attn_norm.weight"] = vec(d, 1.0, 0.1)
-        w[p + "attn_q.weight"] = mat(n_q, d)
-        w[p + "attn_k.weight"] = mat(n_kv, d)
+        # gemma3: Q and K far from unit RMS (x4), so that QK-norm, which brings them back, matters
+        qk_std = (4.0 if spec.arch == "gemma3" else 1.0) / np.sqrt(d)
+        w[p + "attn_q.weight"] = mat(n_q, d, qk_std)
+        w[p + "attn_k.weight"] = mat(n_kv, d, qk_std)
         w[p + "attn_v.weight"] = mat(n_kv, d)
         if spec.arch == "qwen2":
             w[p + "attn_q.bias"] = vec(n_q, 0.0, 0.2)
             w[p + "attn_k.bias"] = vec(n_kv, 0.0, 0.2)
             w[p + "attn_v.bias"] = vec(n_kv, 0.0, 0.2)
         w[p + "attn_output.weight"] = mat(d, n_q)
+        if spec.arch == "gemma3":  # GGUF holds Gemma's 1 + w
+            w[p + "attn_q_norm.weight"] = vec(hd, 1.0, 0.1)
+            w[p + "attn_k_norm.weight"] = vec(hd, 1.0, 0.1)
+            w[p + "post_attention_norm.weight"] = vec(d, 1.0, 0.1)
+            w[p + "post_ffw_norm.weight"] = vec(d, 1.0, 0.1)
         w[p + "ffn_norm.weight"] = vec(d, 1.0, 0.1)
         if spec.n_expert:  # [n_expert, n_out, n_in]: GGUF ne = [n_in, n_out, n_expert]
             w[p + "ffn_gate_inp.weight"] = mat(spec.n_expert, d, 2.0 / np.sqrt(d))
@@ -382,11 +404,13 @@ def write_model(spec: ModelSpec, path: str | Path, name: str | None = None) -> P
     if spec.n_expert:
         wr.add_expert_count(spec.n_expert)
         wr.add_expert_used_count(spec.n_expert_used)
-    if spec.head_dim * spec.n_head != spec.d_model:
+    if spec.head_dim * spec.n_head != spec.d_model or arch == "gemma3":
         wr.add_key_length(spec.head_dim)
         wr.add_value_length(spec.head_dim)
+    if arch == "gemma3":
+        wr.add_sliding_window(spec.sliding_window)
     wr.add_rope_dimension_count(spec.rope_dim if spec.rope_dim is not None else spec.head_dim)
-    wr.add_rope_freq_base(ROPE_BASE)
+    wr.add_rope_freq_base(GEMMA_ROPE_BASE if arch == "gemma3" else ROPE_BASE)  # gemma3: global layers'
     wr.add_layer_norm_rms_eps(RMS_EPS)
     wr.add_vocab_size(spec.n_vocab)
     wr.add_tokenizer_model("gpt2")
@@ -420,7 +444,7 @@ def write_model(spec: ModelSpec, path: str | Path, name: str | None = None) -> P
 def write_all(out_dir: str | Path) -> list[Path]:
     """Writes every preset as out_dir/NAME.gguf."""
     return [write_model(spec, Path(out_dir) / f"{name}.gguf", name)
-            for name, (spec, _) in PRESETS.items()]
+            for name, (spec, _) in {**PRESETS, **GEMMA_PRESETS}.items()]
 
 
 def _parse_vocab(s: str) -> int | None:
@@ -457,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     if a.list:
-        for name, (spec, ok) in PRESETS.items():
+        for name, (spec, ok) in {**PRESETS, **GEMMA_PRESETS}.items():
             print(f"{name:28s} {'' if ok else '(not loadable by llama.cpp) '}{spec}")
         return 0
     if not a.out and a.preset == "all":
@@ -469,9 +493,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.preset == "all":
             paths = write_all(a.out)
         elif a.preset:
-            if a.preset not in PRESETS:
+            presets = {**PRESETS, **GEMMA_PRESETS}
+            if a.preset not in presets:
                 ap.error(f"unknown preset {a.preset!r}; --list shows them")
-            paths = [write_model(PRESETS[a.preset][0], a.out, a.preset)]
+            paths = [write_model(presets[a.preset][0], a.out, a.preset)]
         else:
             spec = ModelSpec(arch=a.arch, n_layer=a.n_layer, d_model=a.d_model, n_head=a.n_head,
                              n_kv_head=a.n_kv_head, d_ff=a.d_ff,

@@ -47,10 +47,10 @@ LD_LIBRARY_PATH="$here/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 EOF
 chmod +x "$prefix/bin/pkg-config"
 
-# The generated models of the CUDA whole-model tests (quantized GEMV, qwen2, f32): the device has
-# no `gguf` package to make them. ~2.7 MB, carried gzipped.
+# The generated models of the CUDA whole-model tests (quantized GEMV, qwen2, f32, Gemma 3): the device has
+# no `gguf` package to make them. ~6.6 MB, carried gzipped.
 mkdir -p "$carry/stage/tests/fixtures/generated"
-for preset in llama_q4_k llama_q4_k_m qwen2_q6_k_gqa4 llama_f32_hd64; do
+for preset in llama_q4_k llama_q4_k_m qwen2_q6_k_gqa4 llama_f32_hd64 gemma3_bf16_hd256; do
   "$python" "$root/scripts/gen_tiny_model.py" --preset "$preset" "$carry/stage/tests/fixtures/generated/$preset.gguf" >/dev/null
 done
 tar -C "$carry/stage" -czf "$carry/fixtures.tar.gz" tests

@@ -21,10 +21,8 @@ int decode_bucket(int n) { return (int)std::bit_ceil((unsigned)std::max(n, 1)); 
 int context_bound(int kv_len) { return (int)std::bit_ceil((unsigned)std::max(kv_len, min_context_bound)); }
 
 
-// The CUDA forward is the Llama-family one (llama, mistral, qwen2).
+// The CUDA forward is the Llama-family one (llama, mistral, qwen2) and Gemma 3's.
 const model& supported(const model& m) {
-  if (m.hparams().gemma)
-    throw std::invalid_argument("the CUDA backend does not run '" + m.hparams().arch + "' models yet (sliding windows, QK-norm): use --device cpu");
   if (m.hparams().n_experts > 0)
     throw std::invalid_argument("the CUDA backend does not run mixture-of-experts models yet: use --device cpu");
   return m;
@@ -91,17 +89,19 @@ void cuda_forward::set_launch_options(const launch_options& l) {
 
 void cuda_forward::setup() {
   const model_hparams& hp = hparams();
-  if (hp.head_dim != 64 && hp.head_dim != 128)
-    throw std::invalid_argument("cuda_forward: head size " + std::to_string(hp.head_dim) + " (the CUDA attention takes 64 or 128)");
+  if (hp.head_dim != 64 && hp.head_dim != 128 && hp.head_dim != 256)
+    throw std::invalid_argument("cuda_forward: head size " + std::to_string(hp.head_dim) + " (the CUDA attention takes 64, 128 or 256)");
   const int64_t d = hp.d_model, qd = (int64_t)hp.n_heads * hp.head_dim, kvd = (int64_t)hp.n_kv_heads * hp.head_dim;
   const int64_t qkv_dim = qd + 2 * kvd;
-  kv_shape_ = make_kv_shape(std::vector<bool>((size_t)hp.n_layers, false), hp.n_kv_heads, hp.head_dim, opt_.block_size, 0, false);
+  std::vector<bool> sliding((size_t)hp.n_layers);  // as engine::model_kv_shape lays the model out
+  for (int il = 0; il < hp.n_layers; ++il) sliding[(size_t)il] = weights_.layer(il).sliding;
+  kv_shape_ = make_kv_shape(sliding, hp.n_kv_heads, hp.head_dim, opt_.block_size, hp.sliding_window, opt_.kv_window_groups);
 
   const int top_bucket = decode_bucket(std::min(std::max(opt_.max_seqs, 1), max_decode_bucket));
   cap_seqs_ = std::max(opt_.max_seqs, top_bucket);  // a padded decode step stages a whole bucket
   cap_tokens_ = std::max(opt_.max_batch_tokens, max_decode_bucket);
   cap_logits_ = std::max(opt_.max_logit_rows, top_bucket);
-  cap_bt_ = cap_seqs_ * (kv_blocks_for(opt_.max_context, opt_.block_size) + 1);
+  cap_bt_ = cap_seqs_ * (kv_blocks_for(opt_.max_context, opt_.block_size) + 1) * kv_shape_.n_groups;
   cap_history_ = std::max(opt_.max_history_tokens, 0);
   cap_split_rows_ = top_bucket;
   const int splits = std::max(opt_.attention_splits, 0);
@@ -252,8 +252,8 @@ void cuda_forward::synchronize() {
 // ---- the step layout ----------------------------------------------------------------------------
 
 cuda_forward::plan cuda_forward::prepare(std::span<const seq_chunk> batch) {
-  validate_batch(batch, hparams().n_vocab, kv_shape_.block_size, n_blocks_);
-  const int bs = kv_shape_.block_size;
+  const int bs = kv_shape_.block_size, n_groups = kv_shape_.n_groups;
+  validate_batch(batch, hparams().n_vocab, bs, n_blocks_, n_groups, kv_shape_.window);
   plan p;
   p.n_real_seqs = (int)batch.size();
   if (p.n_real_seqs > cap_seqs_)
@@ -264,11 +264,11 @@ cuda_forward::plan cuda_forward::prepare(std::span<const seq_chunk> batch) {
   int64_t n_tokens = 0, n_bt = 0;
   for (const seq_chunk& c : batch) {
     n_tokens += (int64_t)c.tokens.size();
-    n_bt += kv_blocks_for(c.pos0 + (int64_t)c.tokens.size(), bs);
+    n_bt += kv_blocks_for(c.pos0 + (int64_t)c.tokens.size(), bs) * n_groups;
   }
   if (p.decode) {
     n_tokens = p.n_seqs;
-    n_bt += p.n_seqs - p.n_real_seqs;
+    n_bt += (p.n_seqs - p.n_real_seqs) * n_groups;
   }
   if (n_tokens > cap_tokens_)
     throw std::invalid_argument("forward: " + std::to_string(n_tokens) + " tokens in one step, max_batch_tokens is " +
@@ -288,11 +288,11 @@ cuda_forward::plan cuda_forward::prepare(std::span<const seq_chunk> batch) {
   for (int s = 0; s < p.n_seqs; ++s) {
     q_start[s] = row;
     bt_start[s] = n_entries;
-    if (s >= p.n_real_seqs) {  // dummy decode row: token 0 at position 0 in the scratch block
+    if (s >= p.n_real_seqs) {  // dummy decode row: token 0 at position 0 in the scratch block (every group's)
       pos0[s] = 0;
       tokens[row] = 0, token_pos[row] = 0, token_seq[row] = s;
       ++row;
-      bt[n_entries++] = n_blocks_;
+      for (int g = 0; g < n_groups; ++g) bt[n_entries++] = n_blocks_;
       continue;
     }
     const seq_chunk& c = batch[(size_t)s];
@@ -303,9 +303,10 @@ cuda_forward::plan cuda_forward::prepare(std::span<const seq_chunk> batch) {
       token_pos[row] = (int32_t)c.pos0 + j;
       token_seq[row] = s;
     }
+    // Each group's first nb entries, group after group (kc::seq_table); validate_batch checked them.
     const int32_t nb = kv_blocks_for(c.pos0 + len, bs);
-    std::copy_n(c.block_table.begin(), nb, bt + n_entries);
-    n_entries += nb;
+    const size_t group_len = c.block_table.size() / (size_t)n_groups;
+    for (int g = 0; g < n_groups; ++g, n_entries += nb) std::copy_n(c.block_table.begin() + (ptrdiff_t)(g * group_len), nb, bt + n_entries);
     p.max_q_len = std::max(p.max_q_len, len);
     max_kv = std::max(max_kv, (int32_t)c.pos0 + len);
   }
@@ -418,7 +419,7 @@ bool cuda_forward::plain_gemv(const dev_matrix& w, int rows) const {
 }
 
 bool cuda_forward::fold_norm(int rows) const {
-  if (!opt_.launch.gemv_fold_norm) return false;
+  if (!opt_.launch.gemv_fold_norm || hparams().gemma) return false;  // Gemma's norms of each block's output: kernels
   for (int il = 0; il < hparams().n_layers; ++il) {
     const dev_layer& L = weights_.layer(il);
     for (const dev_matrix* w : {&L.qkv, &L.gate_up})  // readers: gemv_bf16, or gemv_quant part by part
@@ -490,7 +491,9 @@ void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
     if (opt_.launch.attention_last_cta_merge && sc.max_splits > 1) sc.counters = attn_counters_.as<unsigned>();
     sc.kv_per_split = opt_.launch.attention_kv_per_split;
   }
-  const float scale = 1.0f / std::sqrt((float)hp.head_dim);
+  const float scale = hp.attn_scale > 0 ? hp.attn_scale : 1.0f / std::sqrt((float)hp.head_dim);
+  // The fused qkv and gate|up GEMVs apply RoPE and SwiGLU: not Gemma's QK-norm and GELU.
+  const bool fuse_rope = opt_.launch.gemv_rope && !hp.gemma, fuse_glu = opt_.launch.gemv_swiglu && !hp.gemma;
 
   float* x = x_.as<float>();
   bf16 *h = h_.as<bf16>(), *y = y_.as<bf16>();
@@ -511,39 +514,53 @@ void cuda_forward::run_layers(const plan& p, cudaStream_t s) {
   rope.st = st;
   rope.kv = kv;
   rope.q_out = q_.as<bf16>();
-  kc::embed_rows(weights_.token_embd(), at(off_.tokens), x, n, d, s);  // after the layout copy: a plain launch
+  // Gemma scales its embeddings by sqrt(d_model) (in fp32, as the CPU forward).
+  const float embed_scale = hp.gemma ? std::sqrt((float)d) : 1.0f;
+  kc::embed_rows(weights_.token_embd(), at(off_.tokens), x, n, d, s, embed_scale);  // after the layout copy: a plain launch
   const kc::pdl_scope pdl(opt_.launch.pdl);
+  const float* post_ffn_norm = nullptr;  // Gemma: the norm of the previous block's output, applied as it is added
   for (int il = 0; il < hp.n_layers; ++il) {
     const dev_layer& L = weights_.layer(il);
+    const kv_slot where = kv_shape_.slot_of(il);  // the layer's KV group (its block tables) and slot in a block
+    st.group = where.group;
+    const int slot = where.slot;
     const kc::gemv_norm qkv_norm = il > 0 ? reader : kc::gemv_norm{};  // layer 0: after the embedding
-    if (!(fold && il > 0)) kc::add_rmsnorm(x, il == 0 ? nullptr : y, L.attn_norm, h, n, d, hp.norm_eps, s);
-    rope.bq = L.bq, rope.bk = L.bk, rope.bv = L.bv, rope.layer = il;
-    if (opt_.launch.gemv_rope && plain_gemv(L.qkv, n)) {
+    if (!(fold && il > 0)) kc::add_rmsnorm(x, il == 0 ? nullptr : y, L.attn_norm, h, n, d, hp.norm_eps, s, post_ffn_norm);
+    rope.bq = L.bq, rope.bk = L.bk, rope.bv = L.bv, rope.layer = slot, rope.st = st;
+    if (fuse_rope && plain_gemv(L.qkv, n)) {
       kc::gemv_bf16_rope_qkv(L.qkv.w, L.qkv.n_in, h, rope, s, prefetch, qkv_norm);
-    } else if (const auto blocks = opt_.launch.gemv_rope ? fused_quant(L.qkv, n) : std::nullopt) {
+    } else if (const auto blocks = fuse_rope ? fused_quant(L.qkv, n) : std::nullopt) {
       kc::gemv_quant_rope_qkv(*blocks, L.qkv.n_in, h, rope, s, opt_.launch.quant_gemv_unroll, qkv_norm);
     } else {
       linear(L.qkv, h, qkv_.as<bf16>(), n, s, qkv_norm);
-      kc::rope_qkv_store(qkv_.as<bf16>(), L.bq, L.bk, L.bv, rp, st, kv, il, q_.as<bf16>(), s);
+      kc::rope_params lrp = rp;  // Gemma: QK-norm, and the sliding-window layers' own RoPE base
+      lrp.q_norm = L.q_norm, lrp.k_norm = L.k_norm, lrp.norm_eps = hp.norm_eps;
+      if (L.sliding) lrp.base = hp.rope_base_swa;
+      kc::rope_qkv_store(qkv_.as<bf16>(), L.bq, L.bk, L.bv, lrp, st, kv, slot, q_.as<bf16>(), s);
     }
-    kc::paged_attention(q_.as<bf16>(), st, kv, il, hp.n_heads, scale, attn_.as<bf16>(), sc, s);
+    kc::paged_attention(q_.as<bf16>(), st, kv, slot, hp.n_heads, scale, attn_.as<bf16>(), sc, s,
+                        L.sliding ? hp.sliding_window : 0);
     // Folded, the writers leave the next norm's input in h; else add_rmsnorm makes it from y.
     if (fold) writer.norm_w = L.ffn_norm;
     linear(L.o, attn_.as<bf16>(), fold ? h : y, n, s, writer);
-    if (!fold) kc::add_rmsnorm(x, y, L.ffn_norm, h, n, d, hp.norm_eps, s);
-    if (opt_.launch.gemv_swiglu && plain_gemv(L.gate_up, n)) {
+    if (!fold) kc::add_rmsnorm(x, y, L.ffn_norm, h, n, d, hp.norm_eps, s, L.post_attn_norm);
+    if (fuse_glu && plain_gemv(L.gate_up, n)) {
       kc::gemv_bf16_swiglu(L.gate_up.w, hp.d_ff, d, h, act_.as<bf16>(), n, s, prefetch, reader);
-    } else if (const auto blocks = opt_.launch.gemv_swiglu ? fused_quant(L.gate_up, n) : std::nullopt) {
+    } else if (const auto blocks = fuse_glu ? fused_quant(L.gate_up, n) : std::nullopt) {
       kc::gemv_quant_swiglu(*blocks, hp.d_ff, d, h, act_.as<bf16>(), n, s, opt_.launch.quant_gemv_unroll, reader);
     } else {
       linear(L.gate_up, h, gu_.as<bf16>(), n, s, reader);
-      kc::swiglu(gu_.as<bf16>(), act_.as<bf16>(), n, hp.d_ff, s);
+      if (hp.gemma)
+        kc::geglu(gu_.as<bf16>(), act_.as<bf16>(), n, hp.d_ff, s);
+      else
+        kc::swiglu(gu_.as<bf16>(), act_.as<bf16>(), n, hp.d_ff, s);
     }
     if (fold) writer.norm_w = il + 1 < hp.n_layers ? weights_.layer(il + 1).attn_norm : weights_.output_norm();
     linear(L.down, act_.as<bf16>(), fold ? h : y, n, s, writer);
+    post_ffn_norm = L.post_ffn_norm;
   }
   // Folded: the residual is complete, h holds it times the output norm's weights but unscaled.
-  kc::add_rmsnorm(x, fold ? nullptr : y, weights_.output_norm(), h, n, d, hp.norm_eps, s);
+  kc::add_rmsnorm(x, fold ? nullptr : y, weights_.output_norm(), h, n, d, hp.norm_eps, s, post_ffn_norm);
 }
 
 // Logits of output rows [first, first + count) into logits_dev_ rows [0, count).

@@ -10,6 +10,15 @@
 // The layers' own kernels go out with programmatic dependent launch (launch_options::pdl), and a
 // one-row step multiplies through gemv_bf16 instead of cuBLASLt (launch_options::bf16_gemv_rows).
 //
+// Gemma 3 takes the same kernels with its own parts: embeddings times sqrt(d_model), QK-norm in
+// rope_qkv_store (and the sliding-window layers' RoPE base), each block's output RMS-normalized as
+// add_rmsnorm adds it, GeGLU instead of SwiGLU, and paged_attention told the sliding window of the
+// layers that have one. Its KV is laid out as the CPU's (engine::kv_shape): the sliding-window
+// layers in groups of their own, each with its own block table per sequence, whose blocks before
+// the window are given back (-1 in the table, never read); with cuda_options::kv_window_groups
+// false, one group that keeps every position. The fused GEMV epilogues and the folded norm are
+// Llama-family only and not taken.
+//
 // Decode-only steps (every chunk one token, at most 256 sequences) are padded to a batch bucket
 // (1, 2, 4, ..., 256) with dummy rows that read and write a reserved scratch KV block, and
 // attention is told an upper bound of the longest context (a power of two >= 256). With
@@ -127,6 +136,11 @@ struct cuda_options {
   /// Blocks of the pinned host swap pool (0: none).
   int32_t n_host_blocks = 0;
   int block_size = 16;
+  /// Sliding-window layers (Gemma 3) in KV groups of their own, whose blocks the block manager
+  /// gives back as they leave the window (engine::make_kv_shape's grouped layout; the executor's
+  /// KV manager must use the same shape: engine::model_kv_shape(m, block_size, this)); false: one
+  /// group, every layer keeps every position (--swa-full).
+  bool kv_window_groups = true;
   /// Token rows per step (scratch sizing); raised to at least 256, the largest decode bucket.
   int max_batch_tokens = 2048;
   /// Sequences per step (up to 256: raised to a power of two, the decode bucket).

@@ -37,7 +37,8 @@ void wait_for(cudaStream_t stream, std::chrono::milliseconds timeout, const char
 // and the q/k/v biases (fp32).
 size_t small_bytes_per_token(const model_hparams& hp, bool biases) {
   const size_t d = (size_t)hp.d_model, qkv = (size_t)(hp.n_heads + 2 * hp.n_kv_heads) * (size_t)hp.head_dim;
-  return d * sizeof(bf16) + (size_t)hp.n_layers * (2 * d + (biases ? qkv : 0)) * sizeof(float) + d * sizeof(float);
+  const size_t gemma = hp.gemma ? 2 * d + 2 * (size_t)hp.head_dim : 0;  // post norms, QK-norm
+  return d * sizeof(bf16) + (size_t)hp.n_layers * (2 * d + (biases ? qkv : 0) + gemma) * sizeof(float) + d * sizeof(float);
 }
 
 }  // namespace
@@ -171,6 +172,13 @@ device_weights::device_weights(const model& mdl, const weight_options& o, cudaSt
     dev_layer& d = layers_[(size_t)il];
     d.attn_norm = upload_floats(L.attn_norm, "a norm weight", stream);
     d.ffn_norm = upload_floats(L.ffn_norm, "a norm weight", stream);
+    if (!L.q_norm.empty()) {
+      d.q_norm = upload_floats(L.q_norm, "a QK-norm weight", stream);
+      d.k_norm = upload_floats(L.k_norm, "a QK-norm weight", stream);
+    }
+    if (!L.post_attn_norm.empty()) d.post_attn_norm = upload_floats(L.post_attn_norm, "a norm weight", stream);
+    if (!L.post_ffn_norm.empty()) d.post_ffn_norm = upload_floats(L.post_ffn_norm, "a norm weight", stream);
+    d.sliding = L.sliding;
     if (!L.bq.empty()) {
       d.bq = upload_floats(L.bq, "a bias", stream);
       d.bk = upload_floats(L.bk, "a bias", stream);
@@ -236,6 +244,13 @@ device_weights::device_weights(const model_hparams& hp, uint64_t seed, cudaStrea
   for (auto& L : layers_) {
     L.attn_norm = ones(d);
     L.ffn_norm = ones(d);
+    if (hp.gemma) {  // as engine::model's dummy Gemma 3: every 6th layer global
+      L.q_norm = ones(hp.head_dim);
+      L.k_norm = ones(hp.head_dim);
+      L.post_attn_norm = ones(d);
+      L.post_ffn_norm = ones(d);
+      L.sliding = hp.sliding_window > 0 && (&L - layers_.data()) % 6 < 5;
+    }
     if (hp.arch == "qwen2") {
       L.bq = small(qd);
       L.bk = small(kvd);

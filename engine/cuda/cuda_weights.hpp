@@ -74,6 +74,10 @@ struct dev_layer {
   const float* attn_norm = nullptr;  // [d]
   const float* ffn_norm = nullptr;   // [d]
   const float *bq = nullptr, *bk = nullptr, *bv = nullptr;  // q/k/v biases, null when none
+  // Gemma 3: QK-norm weights [head_dim], the norms of each block's output [d]; else null.
+  const float *q_norm = nullptr, *k_norm = nullptr;
+  const float *post_attn_norm = nullptr, *post_ffn_norm = nullptr;
+  bool sliding = false;  // attends to the last hparams().sliding_window positions only
   dev_matrix qkv, o, gate_up, down;
 };
 

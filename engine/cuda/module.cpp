@@ -69,6 +69,7 @@ __attribute__((visibility("default"))) troupe::engine::device_forward* troupe_cu
   c.max_context = o->max_context;
   c.max_logit_rows = o->max_logit_rows;
   c.use_graphs = o->graphs;
+  c.kv_window_groups = o->kv_window_groups;
   if (o->sync_timeout_ms > 0) c.sync_timeout = std::chrono::milliseconds(o->sync_timeout_ms);
   if (o->fused_decode) c.launch = troupe::engine::cuda::fused_decode(c.launch);
   return new troupe::engine::cuda::module_forward(*m, c);

@@ -26,11 +26,17 @@ namespace {
 
 constexpr float log2e = 1.4426950408889634f;
 
-// Prefill tiles: 4 warps of 16 packed (query row, head) rows each; KV tiles of 64 positions.
+// Prefill tiles: 4 warps of 16 packed (query row, head) rows each; KV tiles of 64 positions (32
+// at head_dim 256, whose output accumulators alone take 128 registers a thread).
 constexpr int pf_warps = 4;
 constexpr int pf_threads = pf_warps * 32;
 constexpr int pf_tile_m = pf_warps * 16;
-constexpr int pf_tile_n = 64;
+template <int HD>
+constexpr int pf_tile_n_of = HD > 128 ? 32 : 64;
+// Head sizes up to 128 keep Q's mma fragments in registers for the whole CTA; 256 re-reads them
+// (L1) for each KV tile instead of holding another 64 registers.
+template <int HD>
+constexpr bool pf_q_in_registers = HD <= 128;
 
 // Decode: split KV once a row is longer than attention_scratch::kv_per_split positions (64 by
 // default: two passes of the CTA's 32 positions in flight); each split keeps at least that many,
@@ -51,6 +57,12 @@ __host__ __device__ inline int decode_splits(int kv_len, int cap, int per_split)
   if (cap <= 1 || kv_len <= per_split) return 1;
   const int n = (kv_len + per_split - 1) / per_split;
   return n < cap ? n : cap;
+}
+
+// First key a decode row of kv_len positions attends to: 0, or the start of its sliding window
+// of `window` positions (itself included).
+__host__ __device__ inline int decode_first_key(int kv_len, int window) {
+  return window > 0 && kv_len > window ? kv_len - window : 0;
 }
 
 // ---- PTX helpers ---------------------------------------------------------------------------------
@@ -132,17 +144,21 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 template <int HD>
 constexpr int prefill_smem_bytes() {
-  return 2 /*K,V*/ * 2 /*buffers*/ * pf_tile_n * (HD + 8) * (int)sizeof(fp16);
+  return 2 /*K,V*/ * 2 /*buffers*/ * pf_tile_n_of<HD> * (HD + 8) * (int)sizeof(fp16);
 }
 
 // Grid (query tiles, n_seqs, n_kv_heads); CTAs stride over tiles so any grid.x is correct.
-// Packed row m of a tile is query row m / group, head m % group of the kv head's group.
+// Packed row m of a tile is query row m / group, head m % group of the kv head's group. With a
+// sliding window (window > 0) a row at position p sees keys (p - window, p] only: KV tiles wholly
+// below every row's window are skipped, the rest masked.
 // Fragment layouts are those of mma.m16n8k16: thread (g = lane / 4, t = lane % 4) holds rows g
 // and g + 8, columns 2t and 2t + 1 of each 8-wide accumulator tile.
 template <int HD>
 __global__ void __launch_bounds__(pf_threads)
     prefill_kernel(const bf16* __restrict__ q, step_layout st, kv_cache_view kv, int layer, int n_heads,
-                   float scale_log2, bf16* __restrict__ out) {
+                   float scale_log2, int window, bf16* __restrict__ out) {
+  constexpr int pf_tile_n = pf_tile_n_of<HD>;
+  constexpr bool q_regs = pf_q_in_registers<HD>;
   constexpr int stride = HD + 8;  // smem row in halves; the 16-byte pad spreads ldmatrix rows over banks
   constexpr int chunks = HD / 8;  // 16-byte chunks per K or V row
   constexpr int n_kt = pf_tile_n / 8;
@@ -158,7 +174,7 @@ __global__ void __launch_bounds__(pf_threads)
   const int q_len = st.q_start[seq + 1] - q_begin;
   if (q_len <= 1) return;  // decode rows belong to decode_kernel
   const int pos0 = st.pos0[seq];
-  const int32_t* table = st.block_tables + st.bt_start[seq];
+  const int32_t* table = seq_table(st, seq, kv.block_size);
   const int group = n_heads / kv.n_kv_heads;
   const int rows = pf_tile_m / group;  // query rows per tile
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -172,6 +188,8 @@ __global__ void __launch_bounds__(pf_threads)
     const int nq = min(rows, q_len - q0);
     const int min_qpos = pos0 + q0;
     const int kv_limit = pos0 + q0 + nq;  // keys [0, kv_limit) are the most any row here sees
+    // Keys below kv_lo are outside every row's window.
+    const int kv_lo = window > 0 ? max(0, min_qpos - window + 1) : 0;
 
     // This thread's rows g and g + 8 of the warp's 16. Padding rows attend like the last
     // position (finite, never stored) so no NaN can arise from a fully masked row.
@@ -188,9 +206,7 @@ __global__ void __launch_bounds__(pf_threads)
 
     // Q as mma A fragments. bf16 -> fp16 for the fp16 tensor-core path; the scale (with log2e)
     // is applied first, which keeps |q| small enough for fp16's range.
-    uint32_t qa[HD / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
+    auto q_fragment = [&](int kk, uint32_t(&a)[4]) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
 #pragma unroll
@@ -201,9 +217,14 @@ __global__ void __launch_bounds__(pf_threads)
                 *reinterpret_cast<const __nv_bfloat162*>(q + q_off[r] + kk * 16 + half * 8 + tig * 2));
             u = pack_half2(f.x * scale_log2, f.y * scale_log2);
           }
-          qa[kk][r + 2 * half] = u;
+          a[r + 2 * half] = u;
         }
       }
+    };
+    uint32_t qa[q_regs ? HD / 16 : 1][4];
+    if constexpr (q_regs) {
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) q_fragment(kk, qa[kk]);
     }
 
     float o[n_dt][4];
@@ -223,7 +244,7 @@ __global__ void __launch_bounds__(pf_threads)
         const int p = kv0 + r;
         fp16* kdst = kd + r * stride + c * 8;
         fp16* vdst = vd + r * stride + c * 8;
-        if (p < kv_limit) {
+        if (p < kv_limit && p >= kv_lo) {
           const fp16* src = kv.k_block(table[p / kv.block_size], layer) + (int64_t)(p % kv.block_size) * row_elems +
                             kvh * HD + c * 8;
           cp_async16(kdst, src);
@@ -236,9 +257,10 @@ __global__ void __launch_bounds__(pf_threads)
     };
 
     const int n_tiles = (kv_limit + pf_tile_n - 1) / pf_tile_n;  // tiles above the diagonal never load
-    load_tile(0, 0);
+    const int t_first = kv_lo / pf_tile_n;                          // nor tiles below every window
+    load_tile(t_first, t_first & 1);
     cp_async_commit();
-    for (int t = 0; t < n_tiles; ++t) {
+    for (int t = t_first; t < n_tiles; ++t) {
       if (t + 1 < n_tiles) {  // double buffering: tile t + 1 streams in while t is computed
         load_tile(t + 1, (t + 1) & 1);
         cp_async_commit();
@@ -255,23 +277,35 @@ __global__ void __launch_bounds__(pf_threads)
 #pragma unroll
       for (int nt = 0; nt < n_kt; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
 #pragma unroll
-      for (int np = 0; np < n_kt / 2; ++np) {
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        const auto s_step = [&](const uint32_t(&a)[4]) {
 #pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-          uint32_t b[4];
-          ldmatrix_x4(b, kb + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * stride + kk * 16 + ((lane >> 3) & 1) * 8);
-          mma_16816(sc[2 * np], qa[kk], b[0], b[1]);
-          mma_16816(sc[2 * np + 1], qa[kk], b[2], b[3]);
+          for (int np = 0; np < n_kt / 2; ++np) {
+            uint32_t b[4];
+            ldmatrix_x4(b, kb + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * stride + kk * 16 + ((lane >> 3) & 1) * 8);
+            mma_16816(sc[2 * np], a, b[0], b[1]);
+            mma_16816(sc[2 * np + 1], a, b[2], b[3]);
+          }
+        };
+        if constexpr (q_regs) {
+          s_step(qa[kk]);
+        } else {
+          uint32_t a_kk[4];
+          q_fragment(kk, a_kk);
+          s_step(a_kk);
         }
       }
 
       const int kv0 = t * pf_tile_n;
-      if (kv0 + pf_tile_n - 1 > min_qpos) {  // the tile crosses the diagonal of some row: mask
+      // The tile crosses the diagonal of some row, or the lower edge of some row's window: mask.
+      if (kv0 + pf_tile_n - 1 > min_qpos || (window > 0 && kv0 <= kv_limit - 1 - window)) {
 #pragma unroll
         for (int nt = 0; nt < n_kt; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (kv0 + nt * 8 + tig * 2 + (e & 1) > qpos[e >> 1]) sc[nt][e] = -INFINITY;
+          for (int e = 0; e < 4; ++e) {
+            const int key = kv0 + nt * 8 + tig * 2 + (e & 1), qp = qpos[e >> 1];
+            if (key > qp || (window > 0 && key <= qp - window)) sc[nt][e] = -INFINITY;
+          }
       }
 
       // Online softmax: new running max, rescale what was accumulated, exponentiate.
@@ -367,7 +401,8 @@ __device__ __forceinline__ float merge_splits(const float* part_out, const float
   return l > 0.0f ? o / l : 0.0f;
 }
 
-// Grid (n_seqs, n_kv_heads * head chunks, n_split_max). Each group of HD / 8 lanes reads one
+// Grid (n_seqs, n_kv_heads * head chunks, n_split_max). A row reads keys [decode_first_key, kv_len)
+// (all of them, or its sliding window's), split evenly. Each group of HD / 8 lanes reads one
 // position's K and V head rows with 16-byte loads (8 dims per lane) and keeps its own online
 // softmax for every head of the CTA; the groups are merged through shared memory at the end.
 // With one split the CTA writes the output row; otherwise (out / sum, max, sum) go to scratch,
@@ -377,7 +412,7 @@ __device__ __forceinline__ float merge_splits(const float* part_out, const float
 template <int HD, int GT>
 __global__ void __launch_bounds__(dec_threads)
     decode_kernel(const bf16* __restrict__ q, step_layout st, kv_cache_view kv, int layer, int n_heads,
-                  float scale_log2, int n_split_max, int kv_per_split, bf16* __restrict__ out,
+                  float scale_log2, int window, int n_split_max, int kv_per_split, bf16* __restrict__ out,
                   float* __restrict__ part_out, float* __restrict__ part_ml, int max_splits,
                   unsigned* __restrict__ counters) {
   constexpr int lpp = HD / 8;               // lanes per position
@@ -406,11 +441,12 @@ __global__ void __launch_bounds__(dec_threads)
   const int tok = st.q_start[seq];
   if (st.q_start[seq + 1] - tok != 1) return;  // prefill rows belong to prefill_kernel
   const int kv_len = st.pos0[seq] + 1;
-  const int n_split = decode_splits(kv_len, n_split_max, kv_per_split);
+  const int kv_lo = decode_first_key(kv_len, window);
+  const int n_split = decode_splits(kv_len - kv_lo, n_split_max, kv_per_split);
   const int split = blockIdx.z;
   if (split >= n_split) return;
-  const int per_split = (kv_len + n_split - 1) / n_split;
-  const int p_begin = split * per_split;
+  const int per_split = (kv_len - kv_lo + n_split - 1) / n_split;
+  const int p_begin = kv_lo + split * per_split;
   const int p_end = min(kv_len, p_begin + per_split);
 
   const int group = n_heads / kv.n_kv_heads;
@@ -419,7 +455,7 @@ __global__ void __launch_bounds__(dec_threads)
   const int h0 = kvh * group + (blockIdx.y % head_chunks) * GT;
   const int n_h = min(GT, kvh * group + group - h0);
   const int sub = threadIdx.x / lpp, c = threadIdx.x % lpp;
-  const int32_t* table = st.block_tables + st.bt_start[seq];
+  const int32_t* table = seq_table(st, seq, kv.block_size);
   const int64_t row_elems = kv.row_elems();
   const int64_t v_offset = (int64_t)kv.block_size * row_elems;
 
@@ -571,14 +607,15 @@ __global__ void __launch_bounds__(dec_threads)
 // Grid (n_seqs, n_heads), HD threads: combines the splits of one decode row and head.
 template <int HD>
 __global__ void __launch_bounds__(HD)
-    merge_kernel(step_layout st, int n_heads, int n_split_max, int kv_per_split, const float* __restrict__ part_out,
+    merge_kernel(step_layout st, int n_heads, int window, int n_split_max, int kv_per_split, const float* __restrict__ part_out,
                  const float* __restrict__ part_ml, int max_splits, bf16* __restrict__ out) {
   pdl_launch_dependents();
   pdl_wait();
   const int seq = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
   const int tok = st.q_start[seq];
   if (st.q_start[seq + 1] - tok != 1) return;
-  const int n_split = decode_splits(st.pos0[seq] + 1, n_split_max, kv_per_split);
+  const int kv_len = st.pos0[seq] + 1;
+  const int n_split = decode_splits(kv_len - decode_first_key(kv_len, window), n_split_max, kv_per_split);
   if (n_split <= 1) return;  // decode_kernel wrote this row itself
   const int64_t row_head = (int64_t)tok * n_heads + head;
   out[row_head * HD + d] = __float2bfloat16_rn(merge_splits<HD>(part_out, part_ml, row_head * max_splits, n_split, d));
@@ -588,7 +625,7 @@ __global__ void __launch_bounds__(HD)
 
 template <int HD>
 void launch_prefill(const bf16* q, const step_layout& st, const kv_cache_view& kv, int layer, int n_heads,
-                    float scale_log2, bf16* out, cudaStream_t stream) {
+                    float scale_log2, int window, bf16* out, cudaStream_t stream) {
   const int group = n_heads / kv.n_kv_heads;
   const int rows = pf_tile_m / group;
   constexpr int smem = prefill_smem_bytes<HD>();
@@ -596,7 +633,7 @@ void launch_prefill(const bf16* q, const step_layout& st, const kv_cache_view& k
   check(cudaFuncSetAttribute(prefill_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "paged_attention: cudaFuncSetAttribute");
   const dim3 grid((st.max_q_len + rows - 1) / rows, st.n_seqs, kv.n_kv_heads);
-  launch(prefill_kernel<HD>, grid, pf_threads, smem, stream, q, st, kv, layer, n_heads, scale_log2, out);
+  launch(prefill_kernel<HD>, grid, pf_threads, smem, stream, q, st, kv, layer, n_heads, scale_log2, window, out);
   check_launch("paged_attention prefill_kernel");
 }
 
@@ -620,19 +657,20 @@ int decode_wave() {
 
 template <int HD, int GT>
 void launch_decode(const bf16* q, const step_layout& st, const kv_cache_view& kv, int layer, int n_heads,
-                   float scale_log2, bf16* out, const attention_scratch& scratch, cudaStream_t stream) {
+                   float scale_log2, int window, bf16* out, const attention_scratch& scratch, cudaStream_t stream) {
   const int group = n_heads / kv.n_kv_heads;
   const int head_chunks = (group + GT - 1) / GT;
   const int base_ctas = st.n_seqs * kv.n_kv_heads * head_chunks;
   const int target = dec_target_waves * decode_wave<HD, GT>();
   const int cap = std::min(scratch.max_splits, std::max(1, (target + base_ctas - 1) / base_ctas));
-  const int n_split_max = decode_splits(st.max_kv_len, cap, scratch.kv_per_split);
+  const int longest = window > 0 ? std::min(st.max_kv_len, window) : st.max_kv_len;  // keys a row reads
+  const int n_split_max = decode_splits(longest, cap, scratch.kv_per_split);
   const dim3 grid(st.n_seqs, kv.n_kv_heads * head_chunks, n_split_max);
-  launch(decode_kernel<HD, GT>, grid, dec_threads, 0, stream, q, st, kv, layer, n_heads, scale_log2, n_split_max,
+  launch(decode_kernel<HD, GT>, grid, dec_threads, 0, stream, q, st, kv, layer, n_heads, scale_log2, window, n_split_max,
          scratch.kv_per_split, out, scratch.partial_out, scratch.partial_ml, scratch.max_splits, scratch.counters);
   check_launch("paged_attention decode_kernel");
   if (n_split_max > 1 && scratch.counters == nullptr) {
-    launch(merge_kernel<HD>, dim3(st.n_seqs, n_heads), HD, 0, stream, st, n_heads, n_split_max, scratch.kv_per_split,
+    launch(merge_kernel<HD>, dim3(st.n_seqs, n_heads), HD, 0, stream, st, n_heads, window, n_split_max, scratch.kv_per_split,
            scratch.partial_out, scratch.partial_ml, scratch.max_splits, out);
     check_launch("paged_attention merge_kernel");
   }
@@ -640,17 +678,17 @@ void launch_decode(const bf16* q, const step_layout& st, const kv_cache_view& kv
 
 template <int HD>
 void launch_all(const bf16* q, const step_layout& st, const kv_cache_view& kv, int layer, int n_heads,
-                float scale_log2, bf16* out, const attention_scratch& scratch, cudaStream_t stream) {
-  if (st.max_q_len > 1) launch_prefill<HD>(q, st, kv, layer, n_heads, scale_log2, out, stream);
+                float scale_log2, int window, bf16* out, const attention_scratch& scratch, cudaStream_t stream) {
+  if (st.max_q_len > 1) launch_prefill<HD>(q, st, kv, layer, n_heads, scale_log2, window, out, stream);
   const int group = n_heads / kv.n_kv_heads;
   if (group <= 1)
-    launch_decode<HD, 1>(q, st, kv, layer, n_heads, scale_log2, out, scratch, stream);
+    launch_decode<HD, 1>(q, st, kv, layer, n_heads, scale_log2, window, out, scratch, stream);
   else if (group <= 2)
-    launch_decode<HD, 2>(q, st, kv, layer, n_heads, scale_log2, out, scratch, stream);
+    launch_decode<HD, 2>(q, st, kv, layer, n_heads, scale_log2, window, out, scratch, stream);
   else if (group <= 4)
-    launch_decode<HD, 4>(q, st, kv, layer, n_heads, scale_log2, out, scratch, stream);
+    launch_decode<HD, 4>(q, st, kv, layer, n_heads, scale_log2, window, out, scratch, stream);
   else
-    launch_decode<HD, dec_max_heads>(q, st, kv, layer, n_heads, scale_log2, out, scratch, stream);
+    launch_decode<HD, dec_max_heads>(q, st, kv, layer, n_heads, scale_log2, window, out, scratch, stream);
 }
 
 }  // namespace
@@ -663,10 +701,11 @@ size_t attention_scratch_bytes(int n_tokens, int n_heads, int head_dim, int max_
 size_t attention_counters(int n_tokens, int n_heads) { return (size_t)std::max(n_tokens, 0) * std::max(n_heads, 0); }
 
 void paged_attention(const bf16* q, const step_layout& st, const kv_cache_view& kv, int layer, int n_heads,
-                     float scale, bf16* out, const attention_scratch& scratch, cudaStream_t stream) {
+                     float scale, bf16* out, const attention_scratch& scratch, cudaStream_t stream, int window) {
   const int hd = kv.head_dim;
-  if (hd != 64 && hd != 128)
-    throw cuda_error("paged_attention: head_dim " + std::to_string(hd) + " unsupported (64 or 128)");
+  if (hd != 64 && hd != 128 && hd != 256)
+    throw cuda_error("paged_attention: head_dim " + std::to_string(hd) + " unsupported (64, 128 or 256)");
+  if (window < 0) throw cuda_error("paged_attention: negative sliding window " + std::to_string(window));
   if (kv.n_kv_heads <= 0 || n_heads <= 0 || n_heads % kv.n_kv_heads != 0)
     throw cuda_error("paged_attention: n_heads " + std::to_string(n_heads) + " not a multiple of n_kv_heads " +
                      std::to_string(kv.n_kv_heads));
@@ -683,9 +722,11 @@ void paged_attention(const bf16* q, const step_layout& st, const kv_cache_view& 
   if (st.n_seqs <= 0 || st.n_tokens <= 0) return;
   const float scale_log2 = scale * log2e;
   if (hd == 64)
-    launch_all<64>(q, st, kv, layer, n_heads, scale_log2, out, scratch, stream);
+    launch_all<64>(q, st, kv, layer, n_heads, scale_log2, window, out, scratch, stream);
+  else if (hd == 128)
+    launch_all<128>(q, st, kv, layer, n_heads, scale_log2, window, out, scratch, stream);
   else
-    launch_all<128>(q, st, kv, layer, n_heads, scale_log2, out, scratch, stream);
+    launch_all<256>(q, st, kv, layer, n_heads, scale_log2, window, out, scratch, stream);
 }
 
 }  // namespace troupe::kernels::cuda

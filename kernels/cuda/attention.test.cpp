@@ -1,7 +1,7 @@
 // paged_attention against kernels::attention_row on the same fp16 cache: mixed steps (chunked
 // prefill continuing a cached prefix, q_len off the tile sizes, decode rows short and long enough
-// to split), GQA ratios 1 to 64, head_dim 64 and 128, block sizes 16 and odd ones, shuffled block
-// tables. Cache slots no row may read (past each sequence's KV, unused blocks, the other layer)
+// to split), GQA ratios 1 to 64, head_dim 64, 128 and 256, sliding windows, block sizes 16 and odd
+// ones, shuffled block tables. Cache slots no row may read (past each sequence's KV, unused blocks, the other layer)
 // hold NaN, as does the output before the call.
 #include <catch2/catch.hpp>
 
@@ -37,6 +37,11 @@ struct attn_case {
   int extra_kv_len = 0;
   int block_size = 16;
   int kv_per_split = 64;  // attention_scratch::kv_per_split
+  int window = 0;         // sliding window (Gemma 3); 0: full causal attention
+  // KV layer group read (step_layout::group): each sequence's tables of the groups before it point
+  // at blocks that hold NaN, and with a window, the group's own entries before the window of pos0
+  // are -1 (given back), as the block manager leaves them.
+  int group = 0;
 };
 
 // Mixed prefill and decode: q_len 37 / 130 / 2 / 3 (130 > 2 tiles), a continued prefix at
@@ -88,18 +93,25 @@ attn_result run_step(const attn_case& c, uint64_t seed, bool fused_merge) {
 
   // Block tables drawn from a shuffled pool with spare blocks, so tables are non-contiguous.
   std::vector<int32_t> q_start{0}, pos0, bt_start, tables, token_pos, token_seq;
+  std::vector<int32_t> table_of;  // each sequence's table in c.group: its start in `tables`
   int max_q_len = 0, max_kv_len = 0, n_needed = 0;
   for (const auto& s : c.seqs) n_needed += (s.pos0 + s.q_len + block_size - 1) / block_size;
-  const int n_blocks = n_needed + 7;
+  const int n_blocks = n_needed * (c.group + 1) + 7;
   std::vector<int32_t> pool(n_blocks);
   std::iota(pool.begin(), pool.end(), 0);
   std::shuffle(pool.begin(), pool.end(), rng);
+  int next_block = 0;
   for (int si = 0; si < n_seqs; ++si) {
     const auto& s = c.seqs[si];
     const int kv_len = s.pos0 + s.q_len;
+    const int n_table = (kv_len + block_size - 1) / block_size;
     pos0.push_back(s.pos0);
     bt_start.push_back((int32_t)tables.size());
-    for (int b = 0; b < (kv_len + block_size - 1) / block_size; ++b) tables.push_back(pool[tables.size()]);
+    for (int g = 0; g < c.group; ++g)  // other groups' tables: blocks never written (NaN)
+      for (int b = 0; b < n_table; ++b) tables.push_back(pool[next_block++]);
+    table_of.push_back((int32_t)tables.size());
+    const int live = c.group > 0 && c.window > 0 ? std::max(0, s.pos0 - c.window + 1) / block_size : 0;
+    for (int b = 0; b < n_table; ++b) tables.push_back(b < live ? -1 : pool[next_block++]);
     for (int i = 0; i < s.q_len; ++i) {
       token_pos.push_back(s.pos0 + i);
       token_seq.push_back(si);
@@ -116,7 +128,8 @@ attn_result run_step(const attn_case& c, uint64_t seed, bool fused_merge) {
   for (int si = 0; si < n_seqs; ++si) {
     const int kv_len = c.seqs[si].pos0 + c.seqs[si].q_len;
     for (int p = 0; p < kv_len; ++p) {
-      const int64_t k0 = tables[bt_start[si] + p / block_size] * block_elems +
+      if (tables[table_of[si] + p / block_size] < 0) continue;  // given back
+      const int64_t k0 = tables[table_of[si] + p / block_size] * block_elems +
                          (int64_t)layer * 2 * block_size * row_elems + (int64_t)(p % block_size) * row_elems;
       for (int64_t i = 0; i < row_elems; ++i) {
         cache[k0 + i] = unit(rng);
@@ -141,11 +154,20 @@ attn_result run_step(const attn_case& c, uint64_t seed, bool fused_merge) {
   view.head_dim = hd;
   std::vector<float> want((size_t)n_tokens * c.n_heads * hd);
   std::vector<float> scratch((size_t)cpu::attention_scratch_floats(c.n_heads, hd, max_kv_len));
+  std::vector<float> m((size_t)c.n_heads), l((size_t)c.n_heads), acc((size_t)c.n_heads * hd);
   for (int t = 0; t < n_tokens; ++t) {
     const int si = token_seq[t];
-    cpu::attention_row(q.data() + (size_t)t * c.n_heads * hd, c.n_heads, token_pos[t], view,
-                       tables.data() + bt_start[si], scale, want.data() + (size_t)t * c.n_heads * hd, 0, c.n_heads,
-                       scratch.data());
+    float* o = want.data() + (size_t)t * c.n_heads * hd;
+    if (c.window == 0) {
+      cpu::attention_row(q.data() + (size_t)t * c.n_heads * hd, c.n_heads, token_pos[t], view,
+                         tables.data() + table_of[si], scale, o, 0, c.n_heads, scratch.data());
+    } else {  // the window as the CPU forward attends to it: positions [pos + 1 - window, pos]
+      const int64_t end = token_pos[t] + 1;
+      cpu::attention_partial(q.data() + (size_t)t * c.n_heads * hd, c.n_heads, std::max<int64_t>(0, end - c.window), end,
+                             view, tables.data() + table_of[si], scale, 0, c.n_heads, m.data(), l.data(), acc.data(),
+                             scratch.data());
+      cpu::attention_merge(1, c.n_heads, hd, m.data(), l.data(), acc.data(), o);
+    }
   }
 
   dev_buf<fp16> d_cache(cache_h);
@@ -169,6 +191,7 @@ attn_result run_step(const attn_case& c, uint64_t seed, bool fused_merge) {
   st.block_tables = d_tables.p;
   st.token_pos = d_token_pos.p;
   st.token_seq = d_token_seq.p;
+  st.group = c.group;
   kv_cache_view kv;
   kv.base = d_cache.p;
   kv.block_elems = block_elems;
@@ -186,14 +209,14 @@ attn_result run_step(const attn_case& c, uint64_t seed, bool fused_merge) {
   dev_buf<unsigned> d_counters(attention_counters(n_tokens, c.n_heads));
   check(cudaMemset(d_counters.p, 0, d_counters.bytes()), "cudaMemset");
   if (fused_merge) sc.counters = d_counters.p;
-  paged_attention(d_q.p, st, kv, layer, c.n_heads, scale, d_out.p, sc, nullptr);
+  paged_attention(d_q.p, st, kv, layer, c.n_heads, scale, d_out.p, sc, nullptr, c.window);
   attn_result r;
   if (fused_merge) {
     check(cudaDeviceSynchronize(), "paged_attention");
     for (const bf16 v : d_out.download()) r.first_bits.push_back(__nv_bfloat16_raw(v).x);
     d_out.poison();
     d_scratch.poison();
-    paged_attention(d_q.p, st, kv, layer, c.n_heads, scale, d_out.p, sc, nullptr);
+    paged_attention(d_q.p, st, kv, layer, c.n_heads, scale, d_out.p, sc, nullptr, c.window);
   }
   check(cudaDeviceSynchronize(), "paged_attention");
   const std::vector<bf16> out = d_out.download();
@@ -292,6 +315,41 @@ TEST_CASE("paged_attention long prefill with a single sequence", "[cuda]") {
   CHECK(run_case(c, seed) <= 2e-2);
 }
 
+TEST_CASE("paged_attention with head_dim 256, sliding windows and KV layer groups (Gemma 3) matches the CPU", "[cuda]") {
+  struct window_case {
+    int n_heads, n_kv_heads, head_dim, window, max_splits;
+    int group = 0;  // a sliding-window layer group's tables, entries before the window given back
+  };
+  // Windows: 0 (head_dim 256's own prefill tiles and Q re-reads), 1 (only the row itself), 48
+  // (inside a prefill tile), 100 (across tiles and splits), 5000 (longer than every row).
+  const window_case wc = GENERATE(window_case{4, 1, 256, 0, 16},    // Gemma 3 270M: GQA 4
+                                  window_case{4, 1, 256, 48, 16},
+                                  window_case{4, 1, 256, 100, 16},
+                                  window_case{4, 1, 256, 100, 0},   // unsplit decode rows
+                                  window_case{8, 4, 256, 1, 16},    // Gemma 3 4B: GQA 2
+                                  window_case{8, 4, 256, 5000, 16},
+                                  window_case{16, 8, 128, 100, 16},  // the window at the other head sizes
+                                  window_case{9, 3, 64, 48, 16},
+                                  window_case{4, 1, 256, 100, 16, 2},  // Gemma 3's KV layer groups
+                                  window_case{9, 3, 64, 48, 0, 1},
+                                  window_case{16, 8, 128, 0, 16, 3});  // a group's table without a window
+  const uint64_t seed = fresh_seed();
+  INFO("n_heads " << wc.n_heads << " n_kv_heads " << wc.n_kv_heads << " head_dim " << wc.head_dim << " window "
+                  << wc.window << " max_splits " << wc.max_splits << " group " << wc.group << " seed " << seed);
+  attn_case c{wc.n_heads, wc.n_kv_heads, wc.head_dim, wc.max_splits, mixed_step()};
+  c.window = wc.window;
+  c.group = wc.group;
+  c.block_size = 7;  // windows start inside blocks
+  CHECK(run_case(c, seed) <= 2e-2);
+  if (wc.max_splits > 0) {
+    c.kv_per_split = 7;  // a window of 100 splits 15 ways; split bounds move with the window's start
+    const attn_result kernel = run_step(c, seed, false), fused = run_step(c, seed, true);
+    CHECK(kernel.error <= 2e-2);
+    CHECK(fused.bits == kernel.bits);
+    CHECK(fused.first_bits == kernel.bits);
+  }
+}
+
 TEST_CASE("paged_attention rejects unsupported shapes", "[cuda]") {
   step_layout st;
   kv_cache_view kv;
@@ -313,4 +371,5 @@ TEST_CASE("paged_attention rejects unsupported shapes", "[cuda]") {
   no_split_size.partial_out = no_split_size.partial_ml = dummy, no_split_size.max_splits = 16;
   no_split_size.kv_per_split = 0;
   CHECK_THROWS_AS(paged_attention(nullptr, st, kv, 0, 4, 1.0f, nullptr, no_split_size, nullptr), cuda_error);
+  CHECK_THROWS_AS(paged_attention(nullptr, st, kv, 0, 4, 1.0f, nullptr, sc, nullptr, -1), cuda_error);  // window < 0
 }

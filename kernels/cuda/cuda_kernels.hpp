@@ -57,14 +57,18 @@ class pdl_scope {
 
 // ---- element-wise and per-row ----------------------------------------------------------------
 
-/// out[r, :] = float(table[tokens[r], :]) for r in [0, rows). table is bf16 [n_vocab, d].
-void embed_rows(const bf16* table, const int32_t* tokens, float* out, int rows, int d, cudaStream_t stream);
+/// out[r, :] = float(table[tokens[r], :]) * scale for r in [0, rows). table is bf16 [n_vocab, d].
+/// (Gemma scales its embeddings by sqrt(d).)
+void embed_rows(const bf16* table, const int32_t* tokens, float* out, int rows, int d, cudaStream_t stream,
+                float scale = 1.0f);
 
 /// Fused residual add + RMSNorm: for each row r, when `add` is not null residual[r] += add[r]
 /// (bf16 -> fp32); then y[r] = bf16(residual[r] / sqrt(mean(residual[r]^2) + eps) * w).
-/// residual fp32 [rows, n], w fp32 [n], y bf16 [rows, n].
+/// residual fp32 [rows, n], w fp32 [n], y bf16 [rows, n]. With add_norm_w (Gemma's norm of each
+/// block's output, fp32 [n]) the added row is itself RMS-normalized first: residual[r] +=
+/// add[r] / sqrt(mean(add[r]^2) + eps) * add_norm_w.
 void add_rmsnorm(float* residual, const bf16* add, const float* w, bf16* y, int rows, int n, float eps,
-                 cudaStream_t stream);
+                 cudaStream_t stream, const float* add_norm_w = nullptr);
 
 /// Final residual add without norm: residual[r] += add[r].
 void add_residual(float* residual, const bf16* add, int rows, int n, cudaStream_t stream);
@@ -72,6 +76,10 @@ void add_residual(float* residual, const bf16* add, int rows, int n, cudaStream_
 /// SwiGLU over a fused gate|up GEMM output: gu bf16 [rows, 2 * d_ff] (gate in [0, d_ff), up in
 /// [d_ff, 2 d_ff)); out bf16 [rows, d_ff] = silu(gate) * up, computed in fp32.
 void swiglu(const bf16* gu, bf16* out, int rows, int d_ff, cudaStream_t stream);
+
+/// GeGLU (Gemma), laid out as swiglu: out = gelu(gate) * up with GELU's tanh approximation, as
+/// kernels::geglu computes it (gate * sigmoid(2 sqrt(2/pi) (gate + 0.044715 gate^3))).
+void geglu(const bf16* gu, bf16* out, int rows, int d_ff, cudaStream_t stream);
 
 /// Float -> bf16 conversion of n values (weights on load; tests).
 void f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream);
@@ -95,7 +103,22 @@ struct step_layout {
   const int32_t* block_tables = nullptr; // concatenated block tables
   const int32_t* token_pos = nullptr;    // [n_tokens]: position of each token row
   const int32_t* token_seq = nullptr;    // [n_tokens]: sequence of each token row
+  /// KV layer group (engine::kv_shape::n_groups: Gemma 3's sliding-window layers apart from the
+  /// full-attention ones) whose tables this layer reads: a sequence's tables lie group after group
+  /// from bt_start, each as many entries as its KV then covers (seq_table). 0 with one group.
+  int group = 0;
 };
+
+/// Sequence seq's block table in group st.group (kv_blocks = ceil((pos0 + q_len) / block_size)
+/// entries a group). A sliding group's entries before the window may be -1: never read.
+__host__ __device__ inline const int32_t* seq_table(const step_layout& st, int seq, int block_size) {
+  const int32_t* t = st.block_tables + st.bt_start[seq];
+  if (st.group > 0) {
+    const int kv_len = st.pos0[seq] + st.q_start[seq + 1] - st.q_start[seq];
+    t += (int64_t)st.group * ((kv_len + block_size - 1) / block_size);
+  }
+  return t;
+}
 
 /// The paged KV cache on the device, one layer addressed at a time.
 struct kv_cache_view {
@@ -123,6 +146,11 @@ struct rope_params {
   float base = 10000.0f;
   rope_kind kind = rope_kind::normal;
   const float* freq_factors = nullptr;  // device [n_rot / 2] or null
+  /// QK-norm (Gemma 3): each Q head RMS-normalized with q_norm, each K head with k_norm (device
+  /// fp32 [head_dim]; after the bias, before the rotation); null: none. rope_qkv_store only.
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  float norm_eps = 1e-6f;
 };
 
 /// Fused bias + RoPE + KV-cache write for one layer. qkv bf16 [n_tokens, (n_heads + 2 n_kv) *
@@ -142,7 +170,9 @@ void rope_qkv_store(const bf16* qkv, const float* bq, const float* bk, const flo
 /// memory. Rows of decode-only sequences (q_len 1) take a split-KV path (flash-decoding) when
 /// their KV is long: partial results go to `scratch` and are merged by a second kernel, or, with
 /// `counters`, by the last split to finish (one launch fewer; the result is the same bits).
-/// head_dim must be 64 or 128 (others: cuda_error). scale usually 1/sqrt(head_dim).
+/// head_dim must be 64, 128 or 256 (others: cuda_error). scale usually 1/sqrt(head_dim). With
+/// window > 0 (a sliding-window layer: Gemma 3) a row at position p attends to positions
+/// (p - window, p] only, as kernels::attention_partial over that range.
 struct attention_scratch {
   float* partial_out = nullptr;  // [n_tokens, n_heads, max_splits, head_dim]
   float* partial_ml = nullptr;   // [n_tokens, n_heads, max_splits, 2] (running max, sum)
@@ -161,7 +191,7 @@ size_t attention_scratch_bytes(int n_tokens, int n_heads, int head_dim, int max_
 size_t attention_counters(int n_tokens, int n_heads);
 
 void paged_attention(const bf16* q, const step_layout& st, const kv_cache_view& kv, int layer, int n_heads,
-                     float scale, bf16* out, const attention_scratch& scratch, cudaStream_t stream);
+                     float scale, bf16* out, const attention_scratch& scratch, cudaStream_t stream, int window = 0);
 
 // ---- weight-only quantized GEMV (decode from quantized memory) ----------------------------------
 

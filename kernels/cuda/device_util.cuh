@@ -30,6 +30,13 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float (&f)[8])
 /// GEMV that applies it to its own outputs give the same bits.
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
+/// GeGLU's product gelu(g) * u, GELU by its tanh approximation written as a sigmoid (as
+/// kernels::geglu): g * sigmoid(2 sqrt(2/pi) g (1 + 0.044715 g^2)) * u.
+__device__ __forceinline__ float gelu_mul(float g, float u) {
+  constexpr float two_c = 2.0f * 0.79788456080286535588f, coef = 0.044715f;
+  return g / (1.0f + expf(-(two_c * g * (1.0f + coef * g * g)))) * u;
+}
+
 /// Asks L2 for the 128-byte line at p (no register holds anything; the load that wants it later
 /// finds it in L2 if it arrived and stayed).
 __device__ __forceinline__ void prefetch_l2(const void* p) {

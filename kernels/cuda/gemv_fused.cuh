@@ -169,6 +169,7 @@ inline unsigned rope_ctas(const rope_params& rp) { return unsigned((qkv_item_cou
 inline void check_rope_args(const char* name, const rope_params& rp) {
   if (rp.n_rot % 2 != 0 || rp.n_rot > rp.head_dim || rp.head_dim % 2 != 0 || rp.n_heads <= 0 || rp.n_kv_heads <= 0)
     throw cuda_error(std::string(name) + ": n_rot and head_dim must be even with n_rot <= head_dim, heads > 0");
+  if (rp.q_norm || rp.k_norm) throw cuda_error(std::string(name) + ": QK-norm is rope_qkv_store's only");
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// Element-wise and per-row kernels: embedding gather, fused residual add + RMSNorm, SwiGLU, dtype
+// Element-wise and per-row kernels: embedding gather, fused residual add + RMSNorm, SwiGLU (GeGLU), dtype
 // conversions, and the fused bias + RoPE + KV-cache write. All are memory bound: rows are read
 // with 16-byte vector loads where the row length and pointer alignment allow (a scalar
 // instantiation handles the rest), math is fp32.
@@ -120,23 +120,39 @@ int grid_for(int64_t n_items, int threads) {
 // ---- per-row kernels --------------------------------------------------------------------------
 
 template <int V>
-__global__ void embed_rows_kernel(const bf16* table, const int32_t* tokens, float* out, int d) {
+__global__ void embed_rows_kernel(const bf16* table, const int32_t* tokens, float* out, int d, float scale) {
   pdl_launch_dependents();  // launched plainly (it follows the layout copy); the next kernel may start
   const bf16* src = table + int64_t(tokens[blockIdx.x]) * d;
   float* dst = out + int64_t(blockIdx.x) * d;
   for (int i = threadIdx.x * V; i < d; i += blockDim.x * V) {
     float v[V];
     load<V>(src + i, v);
+    if (scale != 1.0f)
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[k] *= scale;
     store<V>(dst + i, v);
   }
 }
 
 template <int V>
-__global__ void add_rmsnorm_kernel(float* residual, const bf16* add, const float* w, bf16* y, int n, float eps) {
+__global__ void add_rmsnorm_kernel(float* residual, const bf16* add, const float* w, bf16* y, int n, float eps,
+                                   const float* add_norm_w) {
   pdl_launch_dependents();
   pdl_wait();
   const int64_t off = int64_t(blockIdx.x) * n;
   float* x = residual + off;
+  float add_scale = 1.0f;  // Gemma: the added row's own RMSNorm
+  if (add && add_norm_w) {
+    float ssa = 0.0f;
+    for (int i = threadIdx.x * V; i < n; i += blockDim.x * V) {
+      float a[V];
+      load<V>(add + off + i, a);
+#pragma unroll
+      for (int k = 0; k < V; ++k) ssa += a[k] * a[k];
+    }
+    add_scale = 1.0f / sqrtf(block_sum(ssa) / float(n) + eps);
+    __syncthreads();  // block_sum's shared partials are used again below
+  }
   float ss = 0.0f;
   for (int i = threadIdx.x * V; i < n; i += blockDim.x * V) {
     float v[V];
@@ -144,6 +160,12 @@ __global__ void add_rmsnorm_kernel(float* residual, const bf16* add, const float
     if (add) {
       float a[V];
       load<V>(add + off + i, a);
+      if (add_norm_w) {
+        float g[V];
+        load<V>(add_norm_w + i, g);
+#pragma unroll
+        for (int k = 0; k < V; ++k) a[k] = a[k] * add_scale * g[k];
+      }
 #pragma unroll
       for (int k = 0; k < V; ++k) v[k] += a[k];
       store<V>(x + i, v);
@@ -165,8 +187,8 @@ __global__ void add_rmsnorm_kernel(float* residual, const bf16* add, const float
 
 // Grid (chunks of the row, rows): at one row (decode, batch 1) the d_ff values spread over the
 // whole GPU instead of one CTA.
-template <int V>
-__global__ void swiglu_kernel(const bf16* gu, bf16* out, int rows, int d_ff) {
+template <int V, bool Gelu>
+__global__ void glu_kernel(const bf16* gu, bf16* out, int rows, int d_ff) {
   pdl_launch_dependents();
   pdl_wait();
   for (int r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -178,7 +200,7 @@ __global__ void swiglu_kernel(const bf16* gu, bf16* out, int rows, int d_ff) {
       load<V>(gate + i, g);
       load<V>(up + i, u);
 #pragma unroll
-      for (int k = 0; k < V; ++k) g[k] = silu_mul(g[k], u[k]);
+      for (int k = 0; k < V; ++k) g[k] = Gelu ? gelu_mul(g[k], u[k]) : silu_mul(g[k], u[k]);
       store<V>(dst + i, g);
     }
   }
@@ -234,7 +256,8 @@ void convert(const In* in, Out* out, int64_t n, cudaStream_t stream, const char*
 // Grid (token rows, Q heads + K heads + 1): a CTA rotates one Q or K head of one row (work item
 // j < n_rot/2 rotates the pair RoPE couples, later items copy two unrotated dims from
 // [n_rot, head_dim)); the last CTA of a row writes its V row. At one row (decode, batch 1) that
-// is 41 CTAs for Llama-3-8B instead of one.
+// is 41 CTAs for Llama-3-8B instead of one. With QK-norm (rp.q_norm / k_norm) the CTA first
+// sums its head's squares: the head is RMS-normalized before it is rotated.
 __global__ void rope_qkv_store_kernel(const bf16* qkv, const float* bq, const float* bk, const float* bv,
                                       rope_params rp, step_layout st, kv_cache_view kv, int layer, bf16* q_out) {
   TROUPE_DYNAMIC_SMEM(float2, cos_sin, 8);  // n_rot/2 (cos, sin) pairs for this row's position
@@ -257,32 +280,52 @@ __global__ void rope_qkv_store_kernel(const bf16* qkv, const float* bq, const fl
   __syncthreads();
 
   const int col = h * hd;  // Q heads then K heads are contiguous in the row
+  const bool is_q = h < rp.n_heads;
+  const float* norm_w = is_q ? rp.q_norm : rp.k_norm;
+  const float* bias = is_q ? bq : bk;
+  const int bcol = is_q ? col : col - q_dim;
+  float norm_scale = 1.0f;
+  if (norm_w) {  // uniform over the CTA
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+      const float v = __bfloat162float(src[col + i]) + (bias ? bias[bcol + i] : 0.0f);
+      ss += v * v;
+    }
+    norm_scale = 1.0f / sqrtf(block_sum(ss) / float(hd) + rp.norm_eps);
+  }
   for (int j = threadIdx.x; j < half_hd; j += blockDim.x) {
     int a, b;
     rope_pair(rp, j, a, b);
-    rope_qk_pair(rp, h, j, a, b, __bfloat162float(src[col + a]), __bfloat162float(src[col + b]), bq, bk,
+    float x0 = __bfloat162float(src[col + a]), x1 = __bfloat162float(src[col + b]);
+    if (norm_w) {  // bias, then the norm; rope_qk_pair adds no bias then
+      if (bias) x0 += bias[bcol + a], x1 += bias[bcol + b];
+      x0 = x0 * norm_scale * norm_w[a];
+      x1 = x1 * norm_scale * norm_w[b];
+    }
+    rope_qk_pair(rp, h, j, a, b, x0, x1, norm_w ? nullptr : bq, norm_w ? nullptr : bk,
                  j < rp.n_rot / 2 ? cos_sin[j] : float2{}, q_out + int64_t(t) * q_dim, k_slot);
   }
 }
 
 }  // namespace
 
-void embed_rows(const bf16* table, const int32_t* tokens, float* out, int rows, int d, cudaStream_t stream) {
+void embed_rows(const bf16* table, const int32_t* tokens, float* out, int rows, int d, cudaStream_t stream,
+                float scale) {
   if (rows <= 0 || d <= 0) return;
   if (d % 8 == 0 && aligned(table, 16) && aligned(out, 32))
-    launch_ordinary(embed_rows_kernel<8>, rows, row_threads, 0, stream, table, tokens, out, d);
+    launch_ordinary(embed_rows_kernel<8>, rows, row_threads, 0, stream, table, tokens, out, d, scale);
   else
-    launch_ordinary(embed_rows_kernel<1>, rows, row_threads, 0, stream, table, tokens, out, d);
+    launch_ordinary(embed_rows_kernel<1>, rows, row_threads, 0, stream, table, tokens, out, d, scale);
   check_launch("embed_rows");
 }
 
 void add_rmsnorm(float* residual, const bf16* add, const float* w, bf16* y, int rows, int n, float eps,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, const float* add_norm_w) {
   if (rows <= 0 || n <= 0) return;
-  if (n % 4 == 0 && aligned(residual, 16) && aligned(add, 8) && aligned(w, 16) && aligned(y, 8))
-    launch(add_rmsnorm_kernel<4>, rows, norm_threads(n, 4), 0, stream, residual, add, w, y, n, eps);
+  if (n % 4 == 0 && aligned(residual, 16) && aligned(add, 8) && aligned(w, 16) && aligned(y, 8) && aligned(add_norm_w, 16))
+    launch(add_rmsnorm_kernel<4>, rows, norm_threads(n, 4), 0, stream, residual, add, w, y, n, eps, add_norm_w);
   else
-    launch(add_rmsnorm_kernel<1>, rows, norm_threads(n, 1), 0, stream, residual, add, w, y, n, eps);
+    launch(add_rmsnorm_kernel<1>, rows, norm_threads(n, 1), 0, stream, residual, add, w, y, n, eps, add_norm_w);
   check_launch("add_rmsnorm");
 }
 
@@ -296,14 +339,21 @@ void add_residual(float* residual, const bf16* add, int rows, int n, cudaStream_
   check_launch("add_residual");
 }
 
-void swiglu(const bf16* gu, bf16* out, int rows, int d_ff, cudaStream_t stream) {
+namespace {
+template <bool Gelu>
+void glu(const bf16* gu, bf16* out, int rows, int d_ff, cudaStream_t stream, const char* name) {
   if (rows <= 0 || d_ff <= 0) return;
   if (d_ff % 8 == 0 && aligned(gu, 16) && aligned(out, 16))
-    launch(swiglu_kernel<8>, swiglu_grid(rows, d_ff, 8), row_threads, 0, stream, gu, out, rows, d_ff);
+    launch(glu_kernel<8, Gelu>, swiglu_grid(rows, d_ff, 8), row_threads, 0, stream, gu, out, rows, d_ff);
   else
-    launch(swiglu_kernel<1>, swiglu_grid(rows, d_ff, 1), row_threads, 0, stream, gu, out, rows, d_ff);
-  check_launch("swiglu");
+    launch(glu_kernel<1, Gelu>, swiglu_grid(rows, d_ff, 1), row_threads, 0, stream, gu, out, rows, d_ff);
+  check_launch(name);
 }
+}  // namespace
+
+void swiglu(const bf16* gu, bf16* out, int rows, int d_ff, cudaStream_t stream) { glu<false>(gu, out, rows, d_ff, stream, "swiglu"); }
+
+void geglu(const bf16* gu, bf16* out, int rows, int d_ff, cudaStream_t stream) { glu<true>(gu, out, rows, d_ff, stream, "geglu"); }
 
 void f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream) {
   convert(in, out, n, stream, "f32_to_bf16");

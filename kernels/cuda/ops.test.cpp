@@ -48,6 +48,12 @@ TEST_CASE("embed_rows gathers bf16 rows as floats", "[cuda]") {
       std::copy_n(&table[size_t(tokens[r]) * d], d, &want[size_t(r) * d]);
     INFO("d " << d);
     CHECK(normalized_error(d_out.download(), want) == 0.0);
+    // Gemma's sqrt(d) scale, in fp32 as the CPU forward applies it.
+    const float scale = std::sqrt(float(d));
+    d_out.poison();
+    embed_rows(d_table.p, d_tokens.p, d_out.p, rows, d, nullptr, scale);
+    for (float& v : want) v *= scale;
+    CHECK(normalized_error(d_out.download(), want) == 0.0);
   }
 }
 
@@ -77,6 +83,36 @@ TEST_CASE("add_rmsnorm adds the residual and normalises each row", "[cuda]") {
       CHECK(normalized_error(d_res.download(), residual) <= f32_bound);
       CHECK(normalized_error(from_bf16(d_y.download()), want_y) <= bf16_bound);
     }
+  }
+}
+
+TEST_CASE("add_rmsnorm with the added row's own norm (Gemma's sandwich norm) matches the CPU", "[cuda]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 g(seed);
+  for (const int n : {640, 1001}) {
+    const int rows = 5;
+    const float eps = 1e-6f;
+    auto residual = random_floats(size_t(rows) * n, g, -3.0f, 3.0f);
+    // Rows far from unit RMS: the added row's scale must come from its own sum of squares.
+    auto add = random_floats(size_t(rows) * n, g, -40.0f, 40.0f);
+    for (int i = 0; i < n; ++i) add[size_t(n) + i] *= 1e-3f;
+    add = round_bf16(add);
+    const auto w = random_floats(size_t(n), g, 0.5f, 1.5f), post_w = random_floats(size_t(n), g, 0.5f, 1.5f);
+    dev_buf<float> d_res(residual), d_w(w), d_post(post_w);
+    dev_buf<bf16> d_add(to_bf16(add)), d_y(size_t(rows) * n);
+    d_y.poison();
+    add_rmsnorm(d_res.p, d_add.p, d_w.p, d_y.p, rows, n, eps, nullptr, d_post.p);
+    std::vector<float> want_y(residual.size()), normed((size_t)n);
+    for (int r = 0; r < rows; ++r) {
+      float* x = &residual[size_t(r) * n];
+      cpu::rmsnorm_row(&add[size_t(r) * n], post_w.data(), normed.data(), n, eps);
+      for (int i = 0; i < n; ++i) x[i] += normed[(size_t)i];
+      cpu::rmsnorm_row(x, w.data(), &want_y[size_t(r) * n], n, eps);
+    }
+    INFO("n " << n);
+    CHECK(normalized_error(d_res.download(), residual) <= f32_bound);
+    CHECK(normalized_error(from_bf16(d_y.download()), want_y) <= bf16_bound);
   }
 }
 
@@ -117,6 +153,34 @@ TEST_CASE("swiglu multiplies silu(gate) by up", "[cuda]") {
   }
 }
 
+TEST_CASE("geglu multiplies gelu(gate) (tanh approximation) by up as the CPU's kernels::geglu", "[cuda]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 g(seed);
+  for (const int d_ff : {2048, 1001}) {
+    const int rows = 3;
+    const auto gu = round_bf16(random_floats(size_t(rows) * 2 * d_ff, g, -3.0f, 3.0f));
+    dev_buf<bf16> d_gu(to_bf16(gu)), d_out(size_t(rows) * d_ff);
+    d_out.poison();
+    geglu(d_gu.p, d_out.p, rows, d_ff, nullptr);
+    std::vector<float> want(size_t(rows) * d_ff);
+    for (int r = 0; r < rows; ++r) {
+      std::copy_n(&gu[size_t(r) * 2 * d_ff], d_ff, &want[size_t(r) * d_ff]);
+      cpu::geglu(&want[size_t(r) * d_ff], &gu[size_t(r) * 2 * d_ff + d_ff], d_ff);
+    }
+    INFO("d_ff " << d_ff);
+    CHECK(normalized_error(from_bf16(d_out.download()), want) <= bf16_bound);
+    // Not SiLU: on [-3, 3] the two differ by up to ~0.19 |up| (at gate -1.5 and 2), 0.06 of the
+    // largest output, against the 1e-2 bound above.
+    std::vector<float> silu(size_t(rows) * d_ff);
+    for (int r = 0; r < rows; ++r) {
+      std::copy_n(&gu[size_t(r) * 2 * d_ff], d_ff, &silu[size_t(r) * d_ff]);
+      cpu::swiglu(&silu[size_t(r) * d_ff], &gu[size_t(r) * 2 * d_ff + d_ff], d_ff);
+    }
+    CHECK(normalized_error(from_bf16(d_out.download()), silu) > 0.03);
+  }
+}
+
 TEST_CASE("f32_to_bf16 rounds to nearest even and bf16_to_f32 is exact", "[cuda]") {
   const uint64_t seed = fresh_seed();
   INFO("seed " << seed);
@@ -145,6 +209,7 @@ struct rope_case {
   int head_dim, n_rot;
   rope_kind kind;
   bool bias, freq;
+  bool qk_norm = false;  // Gemma 3: each Q and K head RMS-normalized before the rotation
 };
 
 // Three sequences at very different positions (one past 4096, where theta needs double
@@ -179,10 +244,11 @@ void check_rope_qkv_store(const rope_case& c, std::mt19937_64& g) {
   const auto bq = random_floats(size_t(q_dim), g), bk = random_floats(size_t(kv_dim), g),
              bv = random_floats(size_t(kv_dim), g);
   const auto freq = random_floats(size_t(c.n_rot / 2), g, 1.0f, 8.0f);
-  const float base = 10000.0f;
+  const auto q_norm = random_floats(size_t(hd), g, 0.5f, 2.0f), k_norm = random_floats(size_t(hd), g, 0.5f, 2.0f);
+  const float base = 10000.0f, norm_eps = 1e-6f;
 
   dev_buf<bf16> d_qkv(to_bf16(qkv)), d_q(size_t(n_tokens) * q_dim);
-  dev_buf<float> d_bq(bq), d_bk(bk), d_bv(bv), d_freq(freq);
+  dev_buf<float> d_bq(bq), d_bk(bk), d_bv(bv), d_freq(freq), d_q_norm(q_norm), d_k_norm(k_norm);
   dev_buf<int32_t> d_q_start(q_start), d_pos0(std::vector<int32_t>(pos0.begin(), pos0.end())), d_bt_start(bt_start),
       d_tables(tables), d_token_pos(token_pos), d_token_seq(token_seq);
   const int64_t block_elems = int64_t(n_layers) * 2 * bs * kv_dim;
@@ -193,6 +259,7 @@ void check_rope_qkv_store(const rope_case& c, std::mt19937_64& g) {
   rope_params rp;
   rp.n_heads = n_heads, rp.n_kv_heads = n_kv, rp.head_dim = hd, rp.n_rot = c.n_rot, rp.base = base, rp.kind = c.kind;
   rp.freq_factors = c.freq ? d_freq.p : nullptr;
+  if (c.qk_norm) rp.q_norm = d_q_norm.p, rp.k_norm = d_k_norm.p, rp.norm_eps = norm_eps;
   step_layout st;
   st.n_seqs = n_seqs, st.n_tokens = n_tokens, st.max_q_len = 7, st.max_kv_len = 5005;
   st.q_start = d_q_start.p, st.pos0 = d_pos0.p, st.bt_start = d_bt_start.p, st.block_tables = d_tables.p;
@@ -212,6 +279,11 @@ void check_rope_qkv_store(const rope_case& c, std::mt19937_64& g) {
     if (c.bias) {
       for (int i = 0; i < q_dim; ++i) x[size_t(i)] += bq[size_t(i)];
       for (int i = 0; i < kv_dim; ++i) x[size_t(q_dim + i)] += bk[size_t(i)], x[size_t(q_dim + kv_dim + i)] += bv[size_t(i)];
+    }
+    if (c.qk_norm) {  // as cpu_forward: per head, after the bias, before RoPE
+      for (int h = 0; h < n_heads; ++h) cpu::rmsnorm_row(&x[size_t(h * hd)], q_norm.data(), &x[size_t(h * hd)], hd, norm_eps);
+      for (int h = 0; h < n_kv; ++h)
+        cpu::rmsnorm_row(&x[size_t(q_dim + h * hd)], k_norm.data(), &x[size_t(q_dim + h * hd)], hd, norm_eps);
     }
     cpu::rope_cos_sin(token_pos[t], c.n_rot, base, c.freq ? freq.data() : nullptr, cos_sin.data());
     const auto style = c.kind == rope_kind::neox ? cpu::rope_style::neox : cpu::rope_style::normal;
@@ -353,6 +425,19 @@ TEST_CASE("rope_qkv_store adds biases, rotates Q and K and writes the paged cach
                              << " freq " << freq);
             check_rope_qkv_store({hd, n_rot, kind, bias, freq}, g);
           }
+}
+
+TEST_CASE("rope_qkv_store with QK-norm (Gemma 3) normalizes each Q and K head before rotating it", "[cuda]") {
+  const uint64_t seed = fresh_seed();
+  INFO("seed " << seed);
+  std::mt19937_64 g(seed);
+  for (const int hd : {256, 128})
+    for (const bool bias : {false, true}) {
+      INFO("head_dim " << hd << " bias " << bias);
+      check_rope_qkv_store({hd, hd, rope_kind::neox, bias, false, true}, g);
+    }
+  // Without the norm, the rotation alone at head_dim 256 (Gemma's RoPE with no norm weights).
+  check_rope_qkv_store({256, 256, rope_kind::neox, false, false}, g);
 }
 
 TEST_CASE("gemv_bf16_rope_qkv equals gemv_bf16 then rope_qkv_store bit for bit", "[cuda]") {

@@ -30,7 +30,7 @@ __device__ __forceinline__ float2 rope_angle(const rope_params& rp, int pos, int
 /// Token row t's KV-cache slot: the start of its K row in `layer` (V is block_size rows later).
 __device__ __forceinline__ fp16* kv_slot(const step_layout& st, const kv_cache_view& kv, int t, int layer) {
   const int pos = st.token_pos[t];
-  const int32_t block = st.block_tables[st.bt_start[st.token_seq[t]] + pos / kv.block_size];
+  const int32_t block = seq_table(st, st.token_seq[t], kv.block_size)[pos / kv.block_size];
   return kv.k_block(block, layer) + int64_t(pos % kv.block_size) * kv.row_elems();
 }
 
