@@ -9,7 +9,7 @@
 # models/default.gguf (SmolLM2-135M Q4_1) is about 94 MiB. So the carried model is that file cut
 # to its first layers (every tensor byte-identical, llama.block_count lowered, tokenizer intact),
 # as many layers as fit what the rest of the carry and the working tree leave (MODEL_BUDGET_MIB
-# caps it lower; 7 layers on 2026-12-05, the CUDA module having grown). The model is the same one
+# caps it lower; 5 layers on 2026-12-08, the CUDA module built on the device). The model is the same one
 # on the device's CPU and GPU, so the comparison tests are as strict as with all 30 layers, only
 # shallower.
 #
@@ -65,10 +65,14 @@ if [[ $serve_bin != none ]]; then
   [[ -x $serve_bin ]] || { echo "no $serve_bin: build first (scripts/test.sh) or set SERVE_BIN=none" >&2; exit 1; }
   mkdir -p "$carry/stage/bin" "$carry/stage/lib"
   cp "$serve_bin" "$carry/stage/bin/troupe"
-  # Its CUDA backend, the module it loads from beside itself for --device cuda.
-  module="$(dirname "$serve_bin")/libtroupe_cuda.so"
-  [[ -f $module ]] || { echo "no $module: the build did not find nvcc" >&2; exit 1; }
-  cp "$module" "$carry/stage/bin/"
+  # Its CUDA backend, the module it loads from beside itself for --device cuda, is built on the
+  # device by gpu-check (the same sources; 18 MB here, which the carry cannot spare beside a model
+  # of more than a layer or two). CARRY_MODULE=1 carries this build's instead.
+  if [[ ${CARRY_MODULE:-0} == 1 ]]; then
+    module="$(dirname "$serve_bin")/libtroupe_cuda.so"
+    [[ -f $module ]] || { echo "no $module: the build did not find nvcc" >&2; exit 1; }
+    cp "$module" "$carry/stage/bin/"
+  fi
   # Every non-system library it links except CUDA's (the image has its own CUDA 13).
   ldd "$serve_bin" | awk '$3 ~ /^\// {print $3}' |
     grep -vE '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/cuda/' |
