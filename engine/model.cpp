@@ -268,7 +268,7 @@ model_hparams hparams_of(const gguf_file& f) {
 }  // namespace
 
 const std::vector<std::string>& synthetic_architectures() {
-  static const std::vector<std::string> names = {"llama-3-8b", "qwen2.5-7b", "smollm2-135m"};
+  static const std::vector<std::string> names = {"llama-3-8b", "qwen2.5-7b", "smollm2-135m", "gemma3-270m"};
   return names;
 }
 
@@ -288,6 +288,11 @@ model_hparams synthetic_hparams(const std::string& arch) {
     hp.arch = "llama";
     hp.n_layers = 30, hp.d_model = 576, hp.n_heads = 9, hp.n_kv_heads = 3, hp.head_dim = 64;
     hp.d_ff = 1536, hp.n_vocab = 49152, hp.n_ctx_train = 8192, hp.rope_base = 100000.0f, hp.tied_output = true;
+  } else if (arch == "gemma3-270m") {  // as its GGUF (models/gemma3-270m.gguf): every 6th layer global
+    hp.arch = "gemma3", hp.gemma = true, hp.rope = kernels::rope_style::neox;
+    hp.n_layers = 18, hp.d_model = 640, hp.n_heads = 4, hp.n_kv_heads = 1, hp.head_dim = 256;
+    hp.d_ff = 2048, hp.n_vocab = 262144, hp.n_ctx_train = 32768, hp.rope_base = 1000000.0f, hp.norm_eps = 1e-6f;
+    hp.sliding_window = 512, hp.tied_output = true;
   } else {
     std::string known;
     for (const auto& n : synthetic_architectures()) known += (known.empty() ? "" : ", ") + n;

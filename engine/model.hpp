@@ -74,7 +74,7 @@ struct load_options {
 };
 
 /// The built-in architectures a dummy load accepts in place of a file: "llama-3-8b",
-/// "qwen2.5-7b", "smollm2-135m".
+/// "qwen2.5-7b", "smollm2-135m", "gemma3-270m".
 const std::vector<std::string>& synthetic_architectures();
 /// The configuration of one of them (as its GGUF's metadata would give it). Throws
 /// std::invalid_argument naming the known ones.

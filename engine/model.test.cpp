@@ -156,6 +156,27 @@ TEST_CASE("a dummy load of a file with attention biases or a mixture of experts"
   }
 }
 
+TEST_CASE("the built-in Gemma 3 270M has the shapes of the published file", "[model][dummy]") {
+  const auto builtin = synthetic_hparams("gemma3-270m");
+  const auto path = std::filesystem::path(TROUPE_SOURCE_DIR) / "models/gemma3-270m.gguf";
+  if (!std::filesystem::exists(path)) {
+    WARN("models/gemma3-270m.gguf missing (scripts/setup.sh): case skipped");
+    return;
+  }
+  model_hparams file = model::load(path.string(), {.dummy = true, .host_weights = false})->hparams();
+  file.name = builtin.name;
+  check_same_hparams(builtin, file);
+  CHECK(builtin.gemma);
+  CHECK(builtin.sliding_window == file.sliding_window);
+  CHECK(builtin.rope_base_swa == file.rope_base_swa);
+  CHECK(builtin.attn_scale == file.attn_scale);
+  // Loaded by name: its layers alternate as the file's (every 6th global), with QK-norm weights.
+  auto m = model::load("gemma3-270m", {.dummy = true, .seed = 2, .host_weights = false});
+  CHECK(m->layer(5).sliding == false);
+  CHECK(m->layer(4).sliding);
+  CHECK(m->layer(0).q_norm.size() == 256);
+}
+
 TEST_CASE("a built-in architecture: its configuration and a byte-level vocabulary of its size", "[model][dummy]") {
   auto m = model::load("smollm2-135m", {.dummy = true, .seed = 3});
   check_same_hparams(m->hparams(), synthetic_hparams("smollm2-135m"));

@@ -9,7 +9,7 @@ namespace troupe::cli {
 void add_engine_options(CLI::App& cmd, config::engine_config& c) {
   cmd.add_option("-m,--model", c.model_path,
                  "GGUF model file (default: the installed default model); with --load-format dummy also a built-in architecture: "
-                 "llama-3-8b, qwen2.5-7b, smollm2-135m");
+                 "llama-3-8b, qwen2.5-7b, smollm2-135m, gemma3-270m");
   cmd.add_option("--load-format", c.load_format,
                  "auto: the file's weights; dummy: random weights of the model's shapes (no weights read), for throughput measurements")
       ->capture_default_str();

@@ -83,6 +83,8 @@ ROWS = [
     ("Q4_K_M b8 fused tok/s", "decode_q4_k_m_b8_fused_tokens_per_s", None, None, None),
     ("Q8_0 b1 step/roofline", "decode_q8_0_b1_time_over_roofline", None, None, None),
     ("Q8_0 b1 unroll 8/roofline", "decode_q8_0_b1_unroll8_time_over_roofline", None, None, None),
+    ("Gemma3-270M b1 step/roofline", "decode_gemma3_270m_b1_time_over_roofline", None, None, None),
+    ("Gemma3-270M b64 tok/s", "decode_gemma3_270m_b64_tokens_per_s", None, None, None),
     ("prefill 2048 ms", "prefill_2048", "prefill_2048", "time", None),
     ("prefill/GEMM 8192 rate", "prefill_2048_fraction_of_gemm_8192", None, None, (">=", 0.60)),
     ("prefill/GEMM same shapes", "prefill_2048_fraction_of_gemm_prefill_shapes", None, None, None),

@@ -50,7 +50,11 @@
 //   random GGUF blocks in llama.cpp's Q4_K_M mix (q4_k; V and down q6_k every other layer) and in
 //   q8_0 (an output head in q6_k or q8_0), read by gemv_quant; *_unroll{4,8}_* with
 //   launch_options::quant_gemv_unroll 4 or 8. Roofline: that model's bytes per step
-//   (decode_*_weight_bytes) plus KV over the copy rate. Run last, after the bf16 model is freed.
+//   (decode_*_weight_bytes) plus KV over the copy rate. Run after the bf16 model is freed.
+// - decode_gemma3_270m_b{1,64}: Gemma 3 270M's shapes (synthetic bf16; head_dim 256, one KV head,
+//   windows of 512 in 15 of 18 layers, their KV in groups of their own: *_kv_groups) at a context
+//   of 4096; roofline: weight bytes plus the KV a step reads (windows, not the whole context, in the
+//   sliding layers) over the copy rate. Last.
 // - prefill_2048: one 2048-token chunk, best of 3; FLOPs = 2 * layer params * tokens + 2 * head
 //   params (one logits row) + causal attention 4 * n_heads * head_dim * T(T+1)/2 per layer.
 #include <algorithm>
@@ -249,16 +253,18 @@ ec::cuda_options quant_options(ec::cuda_options o, ec::synthetic_quant q, int se
   return o;
 }
 
-// Decode steps of `batch` sequences whose contexts end at a.context; seconds per step.
+// Decode steps of `batch` sequences whose contexts end at a.context; seconds per step. With KV
+// layer groups (Gemma 3's sliding windows) each sequence has a table per group, every block its own
+// (so the KV needs groups x blocks of the context x batch blocks).
 double decode_step_time(ec::cuda_forward& f, int batch, const args& a, double* device_s = nullptr) {
   const int warm = 3;
-  const int bs = f.kv().block_size;
+  const int bs = f.kv().block_size, groups = f.kv().n_groups;
   const int n_steps = warm + a.steps;
   const int pos_start = a.context - n_steps;  // the last step attends over a.context positions
   const int bps = kv_blocks_for(a.context, bs);
-  std::vector<std::vector<int32_t>> tables((size_t)batch, std::vector<int32_t>((size_t)bps));
+  std::vector<std::vector<int32_t>> tables((size_t)batch, std::vector<int32_t>((size_t)(bps * groups)));
   for (int s = 0; s < batch; ++s)
-    for (int j = 0; j < bps; ++j) tables[(size_t)s][(size_t)j] = j * batch + s;  // interleaved across sequences
+    for (int j = 0; j < bps * groups; ++j) tables[(size_t)s][(size_t)j] = j * batch + s;  // interleaved across sequences
   std::vector<token_id> tokens((size_t)batch, 1);
   std::vector<seq_chunk> chunks((size_t)batch);
   std::vector<kc::sample_row_params> params((size_t)batch);
@@ -610,6 +616,41 @@ void run(const args& a) {
       std::printf("# %s failed: %s\n", b.c_str(), e.what());
       if (!device_usable()) return;
     }
+  }
+
+  // Gemma 3 270M's shapes (bf16 weights made on the device): head_dim 256, one KV head, windows of
+  // 512 positions in 15 of its 18 layers, their KV in groups of their own, at a context of 4096 so
+  // that the windows bite. Roofline: the step's weight bytes, plus each sequence's KV read (the
+  // whole context in the 3 global layers, the window in the others), over the copy rate.
+  try {
+    model_hparams g = synthetic_hparams("gemma3-270m");
+    args ga = a;
+    ga.context = 4096;
+    if (a.smoke) g.n_layers = 6, g.n_vocab = 4096, g.d_ff = 512, g.sliding_window = 64, ga.context = 160;
+    ec::cuda_options go = o;
+    go.max_seqs = 64;
+    go.max_context = ga.context;
+    go.max_batch_tokens = 256;
+    std::vector<bool> sliding((size_t)g.n_layers);
+    for (int il = 0; il < g.n_layers; ++il) sliding[(size_t)il] = il % 6 < 5;
+    const int groups = make_kv_shape(sliding, g.n_kv_heads, g.head_dim, go.block_size, g.sliding_window, true).n_groups;
+    go.n_blocks = 64 * groups * kv_blocks_for(ga.context, go.block_size);  // decode_step_time's tables
+    go.launch = ec::launch_options{};
+    auto gf = ec::cuda_forward::synthetic(g, go);
+    const double kv_pos_layer = 2.0 * g.n_kv_heads * g.head_dim * 2;  // K and V, fp16
+    double kv_bytes = 0.0;  // one sequence's KV read in a step at the mean context of the timed steps
+    for (int il = 0; il < g.n_layers; ++il)
+      kv_bytes += kv_pos_layer * std::min(ga.context - ga.steps / 2.0, sliding[(size_t)il] ? (double)g.sliding_window : 1e30);
+    line("decode_gemma3_270m_kv_groups", gf->kv().n_groups, "");
+    for (int batch : {1, 64}) {
+      const std::string b = "decode_gemma3_270m_b" + std::to_string(batch);
+      const double t = decode_step_time(*gf, batch, ga);
+      line(b + "_step", t * 1e3, "ms");
+      line(b + "_tokens_per_s", batch / t, "tok/s");
+      line(b + "_time_over_roofline", t / (((double)gf->step_weight_bytes(batch) + batch * kv_bytes) / bw), "x");
+    }
+  } catch (const std::exception& e) {
+    std::printf("# decode_gemma3_270m failed: %s\n", e.what());
   }
 }
 
